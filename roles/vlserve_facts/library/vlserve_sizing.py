@@ -1,0 +1,67 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+"""Ansible module: the vlserve sizing engine (probe + plan) run on the target host."""
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+DOCUMENTATION = r"""
+---
+module: vlserve_sizing
+short_description: Probe a host's CPUs, memory and platform and size the vlserve service for it
+description:
+  - Runs the sizing engine of the vlserve toolkit on the target (standard library only, psutil and
+    py-cpuinfo when present) and returns the facts and the plan as Ansible facts.
+  - Read-only; safe and complete in check mode.
+options:
+  policy:
+    description: Sizing policy fields (see C(vlserve plan --help)); null means the planner's default.
+    type: dict
+    default: {}
+  facts:
+    description: Facts to plan for instead of probing the target (captured topologies, what-if runs).
+    type: dict
+  name_prefix:
+    description: Prefix of the caller's variable names, so a bad value is reported under its own name.
+    type: str
+    default: ""
+author: vlserve toolkit
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: vlserve_facts, vlserve_plan (null when infeasible), vlserve_plan_error, vlserve_plan_text.
+  returned: always
+  type: dict
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.vlserve_sizing import PlanError, Policy, plan, probe, render_facts, render_plan
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={"policy": {"type": "dict", "default": {}}, "facts": {"type": "dict"},
+                       "name_prefix": {"type": "str", "default": ""}},
+        supports_check_mode=True,
+    )
+    try:
+        policy = Policy.from_mapping(module.params["policy"], module.params["name_prefix"])
+    except (TypeError, ValueError) as error:
+        module.fail_json(msg="invalid sizing policy: %s" % error)
+    facts = module.params["facts"] or probe()
+    result, error, text = None, None, render_facts(facts)
+    try:
+        result = plan(facts, policy)
+        text += "\n\n" + render_plan(result)
+    except PlanError as failure:
+        error = str(failure)
+        text += "\n\nno plan: " + error
+    module.exit_json(changed=False, ansible_facts={
+        "vlserve_facts": facts, "vlserve_plan": result, "vlserve_plan_error": error,
+        "vlserve_plan_text": text,
+    })
+
+
+if __name__ == "__main__":
+    main()
