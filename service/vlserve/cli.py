@@ -1,4 +1,5 @@
 """The toolkit's command line: `vlserve probe`, `vlserve plan` (and the service's commands)."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,6 @@ import json
 import sys
 import typing
 from dataclasses import fields
-from typing import List, Optional
 
 from vlserve import __version__, sizing
 
@@ -16,7 +16,7 @@ def _policy_flag_type(annotation):
     hint = typing.get_type_hints(sizing.Policy)[annotation]
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     base = args[0]
-    if typing.get_origin(base) in (list, List):
+    if typing.get_origin(base) in (list, list):
         return sizing.parse_cpu_list
     return base
 
@@ -28,18 +28,29 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + item.name.replace("_", "-")
         if item.name == "objective":
             # The issue and the docs call this the policy: `--policy latency|throughput`.
-            group.add_argument("--policy", dest="objective", choices=("throughput", "latency"),
-                               default=None, help=item.metadata["help"] + " (default: throughput)")
+            group.add_argument(
+                "--policy",
+                dest="objective",
+                choices=("throughput", "latency"),
+                default=None,
+                help=item.metadata["help"] + " (default: throughput)",
+            )
             continue
-        group.add_argument(flag, dest=item.name, type=_policy_flag_type(item.name), default=None,
-                           metavar=item.name.upper(), help=item.metadata["help"])
+        group.add_argument(
+            flag,
+            dest=item.name,
+            type=_policy_flag_type(item.name),
+            default=None,
+            metavar=item.name.upper(),
+            help=item.metadata["help"],
+        )
 
 
 def _policy_from_args(args: argparse.Namespace) -> sizing.Policy:
     return sizing.Policy.from_mapping({item.name: getattr(args, item.name) for item in fields(sizing.Policy)})
 
 
-def _load_facts(path: Optional[str]) -> dict:
+def _load_facts(path: str | None) -> dict:
     if not path:
         return sizing.probe()
     with open(path, encoding="utf-8") as handle:
@@ -56,6 +67,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     facts = _load_facts(args.facts)
     try:
         policy = _policy_from_args(args)
+        sizing.check_policy_fits(facts["limits"], policy)
     except ValueError as error:
         print("vlserve plan: invalid policy: %s" % error, file=sys.stderr)
         return 2
@@ -86,14 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(handler=cmd_probe)
 
     plan = commands.add_parser("plan", help="print the sizing plan for this host or for captured facts")
-    plan.add_argument("--facts", metavar="FILE", help="facts JSON from `vlserve probe --json` (default: probe this host)")
+    plan.add_argument(
+        "--facts", metavar="FILE", help="facts JSON from `vlserve probe --json` (default: probe this host)"
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON (schema %s)" % sizing.PLAN_SCHEMA)
     _add_policy_flags(plan)
     plan.set_defaults(handler=cmd_plan)
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return args.handler(args)
 

@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 """The sizing engine: what this host has (`probe`) and how to run the model on it (`plan`).
 
 One source of truth for the playbooks (through the vlserve_facts role, which ships this file to the
@@ -11,8 +10,10 @@ target as Ansible module_utils), the audit and the service's CLI. Hence two cons
 `probe(root)` does all the I/O. `plan(facts, policy)` is a pure function of its arguments: the
 same facts and policy always give the same plan, and every figure in it carries a one-line reason.
 """
+
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import typing
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 try:  # Optional: present in the venv, absent on a never-provisioned host.
     import psutil
@@ -32,8 +33,8 @@ except ImportError:  # pragma: no cover - exercised on bare targets
 
 FACTS_SCHEMA = "vlserve.facts/1"
 PLAN_SCHEMA = "vlserve.plan/1"
-GIB = 1024 ** 3
-MIB = 1024 ** 2
+GIB = 1024**3
+MIB = 1024**2
 
 # ISA features the planner cares about, by their /proc/cpuinfo names.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
@@ -47,11 +48,12 @@ class PlanError(Exception):
 # Small parsers shared by the probe.
 # --------------------------------------------------------------------------------------------
 
-def parse_cpu_list(text: Optional[str]) -> List[int]:
+
+def parse_cpu_list(text: str | None) -> list[int]:
     """Parse a kernel CPU list ("0-3,8,10-11") into sorted CPU numbers."""
     cpus = set()
-    for part in (text or "").strip().split(","):
-        part = part.strip()
+    for raw in (text or "").strip().split(","):
+        part = raw.strip()
         if not part:
             continue
         if "-" in part:
@@ -90,14 +92,14 @@ class _Tree:
     def path(self, path: str) -> str:
         return os.path.join(self.root, path.lstrip("/"))
 
-    def read(self, path: str) -> Optional[str]:
+    def read(self, path: str) -> str | None:
         try:
             with open(self.path(path), encoding="utf-8", errors="replace") as handle:
                 return handle.read().strip()
         except OSError:
             return None
 
-    def read_int(self, path: str) -> Optional[int]:
+    def read_int(self, path: str) -> int | None:
         text = self.read(path)
         try:
             return int(text) if text is not None else None
@@ -107,9 +109,9 @@ class _Tree:
     def exists(self, path: str) -> bool:
         return os.path.exists(self.path(path))
 
-    def glob(self, pattern: str) -> List[str]:
+    def glob(self, pattern: str) -> list[str]:
         prefix = self.path("/")
-        return sorted("/" + p[len(prefix):].lstrip("/") for p in glob.glob(self.path(pattern)))
+        return sorted("/" + p[len(prefix) :].lstrip("/") for p in glob.glob(self.path(pattern)))
 
 
 def _cpu_number(path: str) -> int:
@@ -120,7 +122,8 @@ def _cpu_number(path: str) -> int:
 # Probe: gathers facts. All I/O of the sizing engine lives here.
 # --------------------------------------------------------------------------------------------
 
-def probe(root: str = "/", use_libraries: bool = True) -> Dict[str, Any]:
+
+def probe(root: str = "/", use_libraries: bool = True) -> dict[str, Any]:
     """Gather the facts of the host whose /proc and /sys are below `root`.
 
     With root "/" and `use_libraries`, psutil and py-cpuinfo are used where installed; the
@@ -128,7 +131,7 @@ def probe(root: str = "/", use_libraries: bool = True) -> Dict[str, Any]:
     """
     tree = _Tree(root)
     libraries = use_libraries and tree.live
-    sources: Dict[str, str] = {}
+    sources: dict[str, str] = {}
     cpu = _probe_cpu(tree, libraries, sources)
     facts = {
         "schema": FACTS_SCHEMA,
@@ -147,9 +150,9 @@ def probe(root: str = "/", use_libraries: bool = True) -> Dict[str, Any]:
     return facts
 
 
-def _cpuinfo_blocks(tree: _Tree) -> List[Dict[str, str]]:
+def _cpuinfo_blocks(tree: _Tree) -> list[dict[str, str]]:
     blocks, block = [], {}
-    for line in (tree.read("/proc/cpuinfo") or "").splitlines() + [""]:
+    for line in [*(tree.read("/proc/cpuinfo") or "").splitlines(), ""]:
         if not line.strip():
             if block:
                 blocks.append(block)
@@ -160,7 +163,7 @@ def _cpuinfo_blocks(tree: _Tree) -> List[Dict[str, str]]:
     return blocks
 
 
-def _probe_cpu(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict[str, Any]:
+def _probe_cpu(tree: _Tree, libraries: bool, sources: dict[str, str]) -> dict[str, Any]:
     blocks = _cpuinfo_blocks(tree)
     first = blocks[0] if blocks else {}
     flags = set((first.get("flags") or first.get("Features") or "").split())
@@ -169,7 +172,7 @@ def _probe_cpu(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict[st
     sources["isa"] = "/proc/cpuinfo"
     if libraries:
         try:
-            import cpuinfo  # py-cpuinfo
+            import cpuinfo  # noqa: PLC0415 - py-cpuinfo: optional, and slow to import (it spawns cpuid)
 
             info = cpuinfo.get_cpu_info()
             model_name = info.get("brand_raw") or model_name
@@ -178,7 +181,7 @@ def _probe_cpu(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict[st
                 flags = set(info.get("flags") or [])
                 sources["isa"] = "py-cpuinfo"
             sources["cpu_model"] = "py-cpuinfo"
-        except Exception:  # noqa: BLE001 - py-cpuinfo missing or failing: /proc/cpuinfo stands
+        except Exception:
             sources["cpu_model"] = "/proc/cpuinfo"
     else:
         sources["cpu_model"] = "/proc/cpuinfo"
@@ -189,21 +192,22 @@ def _probe_cpu(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict[st
         number = _cpu_number(path)
         if online and number not in online:
             continue
-        siblings = tree.read(path + "/topology/core_cpus_list") or tree.read(
-            path + "/topology/thread_siblings_list")
+        siblings = tree.read(path + "/topology/core_cpus_list") or tree.read(path + "/topology/thread_siblings_list")
         max_freq = tree.read_int(path + "/cpufreq/cpuinfo_max_freq")
-        topology.append({
-            "cpu": number,
-            "package": tree.read_int(path + "/topology/physical_package_id") or 0,
-            "core_cpus": parse_cpu_list(siblings) or [number],
-            "capacity": tree.read_int(path + "/cpu_capacity"),
-            "max_freq_khz": max_freq,
-        })
+        topology.append(
+            {
+                "cpu": number,
+                "package": tree.read_int(path + "/topology/physical_package_id") or 0,
+                "core_cpus": parse_cpu_list(siblings) or [number],
+                "capacity": tree.read_int(path + "/cpu_capacity"),
+                "max_freq_khz": max_freq,
+            }
+        )
     if topology:
         sources["topology"] = "/sys/devices/system/cpu"
     else:  # No sysfs topology (rare: some containers): fall back to /proc/cpuinfo ids.
         sources["topology"] = "/proc/cpuinfo"
-        cores: Dict[tuple, List[int]] = {}
+        cores: dict[tuple, list[int]] = {}
         for block in blocks:
             if "processor" not in block:
                 continue
@@ -211,8 +215,15 @@ def _probe_cpu(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict[st
             cores.setdefault(key, []).append(int(block["processor"]))
         for (package, _), cpus in cores.items():
             for number in cpus:
-                topology.append({"cpu": number, "package": int(package), "core_cpus": sorted(cpus),
-                                 "capacity": None, "max_freq_khz": None})
+                topology.append(
+                    {
+                        "cpu": number,
+                        "package": int(package),
+                        "core_cpus": sorted(cpus),
+                        "capacity": None,
+                        "max_freq_khz": None,
+                    }
+                )
         topology.sort(key=lambda entry: entry["cpu"])
     if not online:
         online = [entry["cpu"] for entry in topology]
@@ -245,14 +256,13 @@ def _probe_cpu(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict[st
     }
 
 
-def _efficiency_cpus(tree: _Tree, topology: List[Dict[str, Any]], sources: Dict[str, str]) -> List[int]:
+def _efficiency_cpus(tree: _Tree, topology: list[dict[str, Any]], sources: dict[str, str]) -> list[int]:
     """E-cores of a hybrid CPU: Intel's cpu_atom PMU list, else a capacity or max-frequency gap."""
     atom = tree.read("/sys/devices/cpu_atom/cpus")
     if atom is not None:
         sources["hybrid"] = "/sys/devices/cpu_atom/cpus"
         return parse_cpu_list(atom)
-    for key, threshold, source in (("capacity", 0.8, "cpu_capacity"),
-                                   ("max_freq_khz", 0.8, "cpuinfo_max_freq gap")):
+    for key, threshold, source in (("capacity", 0.8, "cpu_capacity"), ("max_freq_khz", 0.8, "cpuinfo_max_freq gap")):
         values = [entry[key] for entry in topology if entry[key]]
         if len(values) == len(topology) and values and min(values) < threshold * max(values):
             sources["hybrid"] = source
@@ -261,7 +271,7 @@ def _efficiency_cpus(tree: _Tree, topology: List[Dict[str, Any]], sources: Dict[
     return []
 
 
-def _own_cgroups(tree: _Tree) -> Dict[str, str]:
+def _own_cgroups(tree: _Tree) -> dict[str, str]:
     """Map controller name -> this process's cgroup path ("" key = the v2 unified path)."""
     paths = {}
     for line in (tree.read("/proc/self/cgroup") or "").splitlines():
@@ -273,7 +283,7 @@ def _own_cgroups(tree: _Tree) -> Dict[str, str]:
     return paths
 
 
-def _cgroup_version(tree: _Tree) -> Optional[str]:
+def _cgroup_version(tree: _Tree) -> str | None:
     if tree.exists("/sys/fs/cgroup/cgroup.controllers"):
         return "v2"
     if tree.exists("/sys/fs/cgroup/cpu") or tree.exists("/sys/fs/cgroup/memory"):
@@ -281,7 +291,7 @@ def _cgroup_version(tree: _Tree) -> Optional[str]:
     return None
 
 
-def _ancestors(path: str) -> List[str]:
+def _ancestors(path: str) -> list[str]:
     """A cgroup path and its ancestors, innermost first: "/a/b" -> ["/a/b", "/a", "/"]."""
     chain = []
     path = "/" + path.strip("/")
@@ -292,13 +302,13 @@ def _ancestors(path: str) -> List[str]:
         path = os.path.dirname(path)
 
 
-def _probe_limits(tree: _Tree, libraries: bool, cpu: Dict[str, Any], sources: Dict[str, str]) -> Dict[str, Any]:
+def _probe_limits(tree: _Tree, libraries: bool, cpu: dict[str, Any], sources: dict[str, str]) -> dict[str, Any]:
     version = _cgroup_version(tree)
     own = _own_cgroups(tree)
-    cpuset: Optional[List[int]] = None
-    quota: Optional[float] = None
-    memory_limit: Optional[int] = None
-    memory_usage: Optional[int] = None
+    cpuset: list[int] | None = None
+    quota: float | None = None
+    memory_limit: int | None = None
+    memory_usage: int | None = None
 
     if version == "v2":
         base = "/sys/fs/cgroup"
@@ -327,10 +337,11 @@ def _probe_limits(tree: _Tree, libraries: bool, cpu: Dict[str, Any], sources: Di
                 quota = q / p if quota is None else min(quota, q / p)
         for path in _ancestors(own.get("memory", "/")):
             limit = tree.read_int("/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes")
-            if limit is not None and limit < 2 ** 62:  # v1 says "unlimited" with a huge number
+            if limit is not None and limit < 2**62:  # v1 says "unlimited" with a huge number
                 memory_limit = limit if memory_limit is None else min(memory_limit, limit)
-        memory_usage = tree.read_int("/sys/fs/cgroup/memory" + _ancestors(own.get("memory", "/"))[0]
-                                     + "/memory.usage_in_bytes")
+        memory_usage = tree.read_int(
+            "/sys/fs/cgroup/memory" + _ancestors(own.get("memory", "/"))[0] + "/memory.usage_in_bytes"
+        )
 
     if libraries and hasattr(os, "sched_getaffinity"):
         affinity = sorted(os.sched_getaffinity(0))
@@ -349,16 +360,17 @@ def _probe_limits(tree: _Tree, libraries: bool, cpu: Dict[str, Any], sources: Di
         "cgroup_cpuset": cpuset,
         "allowed_cpus": allowed,
         "cpu_quota": round(quota, 3) if quota is not None else None,
-        "cpu_quota_cpus": max(1, int(math.floor(quota))) if quota is not None else None,
+        "cpu_quota_cpus": max(1, math.floor(quota)) if quota is not None else None,
         "memory_limit_bytes": memory_limit,
         "memory_usage_bytes": memory_usage,
         # Memory our own workers already hold: added back so a deployed host plans as a fresh one.
         "vlserve_slice_bytes": tree.read_int("/sys/fs/cgroup/vlserve.slice/memory.current")
-        if version == "v2" else None,
+        if version == "v2"
+        else None,
     }
 
 
-def _probe_memory(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict[str, Any]:
+def _probe_memory(tree: _Tree, libraries: bool, sources: dict[str, str]) -> dict[str, Any]:
     if libraries and psutil is not None:
         vm, sm = psutil.virtual_memory(), psutil.swap_memory()
         total, available, swap_total = vm.total, vm.available, sm.total
@@ -378,17 +390,26 @@ def _probe_memory(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict
     for line in (tree.read("/proc/swaps") or "").splitlines()[1:]:
         parts = line.split()
         if len(parts) >= 5:
-            swaps.append({"name": parts[0], "type": parts[1], "size_bytes": int(parts[2]) * 1024,
-                          "priority": int(parts[4])})
+            swaps.append(
+                {"name": parts[0], "type": parts[1], "size_bytes": int(parts[2]) * 1024, "priority": int(parts[4])}
+            )
     zram_devices = []
     for path in tree.glob("/sys/block/zram[0-9]*"):
         algorithm = re.search(r"\[(\w+)\]", tree.read(path + "/comp_algorithm") or "")
-        zram_devices.append({"name": os.path.basename(path), "disksize_bytes": tree.read_int(path + "/disksize"),
-                             "algorithm": algorithm.group(1) if algorithm else None})
+        zram_devices.append(
+            {
+                "name": os.path.basename(path),
+                "disksize_bytes": tree.read_int(path + "/disksize"),
+                "algorithm": algorithm.group(1) if algorithm else None,
+            }
+        )
     release = tree.read("/proc/sys/kernel/osrelease") or ""
-    zram_module = (tree.exists("/sys/module/zram") or tree.exists("/sys/class/zram-control")
-                   or bool(tree.glob("/lib/modules/%s/kernel/drivers/block/zram/zram.ko*" % release))
-                   or "zram.ko" in (tree.read("/lib/modules/%s/modules.builtin" % release) or ""))
+    zram_module = (
+        tree.exists("/sys/module/zram")
+        or tree.exists("/sys/class/zram-control")
+        or bool(tree.glob("/lib/modules/%s/kernel/drivers/block/zram/zram.ko*" % release))
+        or "zram.ko" in (tree.read("/lib/modules/%s/modules.builtin" % release) or "")
+    )
     return {
         "total_bytes": total,
         "available_bytes": available,
@@ -398,9 +419,9 @@ def _probe_memory(tree: _Tree, libraries: bool, sources: Dict[str, str]) -> Dict
     }
 
 
-def _probe_cpufreq(tree: _Tree) -> Dict[str, Any]:
-    governors: Dict[str, List[int]] = {}
-    epp: Dict[str, List[int]] = {}
+def _probe_cpufreq(tree: _Tree) -> dict[str, Any]:
+    governors: dict[str, list[int]] = {}
+    epp: dict[str, list[int]] = {}
     available, epp_available, driver = [], [], None
     for path in tree.glob("/sys/devices/system/cpu/cpu[0-9]*/cpufreq"):
         number = _cpu_number(path)
@@ -411,8 +432,7 @@ def _probe_cpufreq(tree: _Tree) -> Dict[str, Any]:
         if preference:
             epp.setdefault(preference, []).append(number)
         available = available or (tree.read(path + "/scaling_available_governors") or "").split()
-        epp_available = epp_available or (
-            tree.read(path + "/energy_performance_available_preferences") or "").split()
+        epp_available = epp_available or (tree.read(path + "/energy_performance_available_preferences") or "").split()
         driver = driver or tree.read(path + "/scaling_driver")
     return {
         "available": bool(governors),
@@ -424,13 +444,23 @@ def _probe_cpufreq(tree: _Tree) -> Dict[str, Any]:
     }
 
 
-_DMI_VMS = (("qemu", "qemu"), ("kvm", "kvm"), ("vmware", "vmware"), ("virtualbox", "oracle"),
-            ("innotek", "oracle"), ("xen", "xen"), ("amazon ec2", "amazon"), ("google", "google"),
-            ("microsoft corporation", "microsoft"), ("openstack", "kvm"), ("bochs", "bochs"),
-            ("parallels", "parallels"))
+_DMI_VMS = (
+    ("qemu", "qemu"),
+    ("kvm", "kvm"),
+    ("vmware", "vmware"),
+    ("virtualbox", "oracle"),
+    ("innotek", "oracle"),
+    ("xen", "xen"),
+    ("amazon ec2", "amazon"),
+    ("google", "google"),
+    ("microsoft corporation", "microsoft"),
+    ("openstack", "kvm"),
+    ("bochs", "bochs"),
+    ("parallels", "parallels"),
+)
 
 
-def _probe_platform(tree: _Tree, libraries: bool, cpu: Dict[str, Any], sources: Dict[str, str]) -> Dict[str, Any]:
+def _probe_platform(tree: _Tree, libraries: bool, cpu: dict[str, Any], sources: dict[str, str]) -> dict[str, Any]:
     release = tree.read("/proc/sys/kernel/osrelease") or (os.uname().release if tree.live else "")
     version_text = tree.read("/proc/version") or ""
     wsl = "microsoft" in release.lower() or "microsoft" in version_text.lower()
@@ -454,8 +484,9 @@ def _probe_platform(tree: _Tree, libraries: bool, cpu: Dict[str, Any], sources: 
                 container = "podman"
             elif re.search(r"container=(\w+)", (tree.read("/proc/1/environ") or "").replace("\0", " ")):
                 container = re.search(r"container=(\w+)", tree.read("/proc/1/environ").replace("\0", " ")).group(1)
-        dmi = " ".join(tree.read("/sys/class/dmi/id/" + name) or ""
-                       for name in ("sys_vendor", "product_name", "bios_vendor")).lower()
+        dmi = " ".join(
+            tree.read("/sys/class/dmi/id/" + name) or "" for name in ("sys_vendor", "product_name", "bios_vendor")
+        ).lower()
         vm = next((kind for needle, kind in _DMI_VMS if needle in dmi), None)
         if vm is None and tree.read("/sys/hypervisor/type"):
             vm = tree.read("/sys/hypervisor/type")
@@ -490,12 +521,16 @@ def _probe_platform(tree: _Tree, libraries: bool, cpu: Dict[str, Any], sources: 
         "wsl_version": wsl_version,
         "kernel": release,
         "init": init,
-        "os": {"id": os_release.get("ID"), "version_id": os_release.get("VERSION_ID"),
-               "like": os_release.get("ID_LIKE"), "pretty_name": os_release.get("PRETTY_NAME")},
+        "os": {
+            "id": os_release.get("ID"),
+            "version_id": os_release.get("VERSION_ID"),
+            "like": os_release.get("ID_LIKE"),
+            "pretty_name": os_release.get("PRETTY_NAME"),
+        },
     }
 
 
-def _run(command: List[str]) -> Optional[str]:
+def _run(command: list[str]) -> str | None:
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired):
@@ -506,6 +541,7 @@ def _run(command: List[str]) -> Optional[str]:
 # --------------------------------------------------------------------------------------------
 # Model footprints: data, with where each figure comes from.
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ModelFootprint:
@@ -535,7 +571,8 @@ FOOTPRINTS = {
             "measured at 4.4 GB for 4.26 GB of weights with torch 2.13.0+cpu (shared/MODEL.md), so "
             "0.5 GiB covers the runtime (Python, torch, tokenizer, HTTP); activations: 0.5 GiB "
             "budget for a capped image through the vision tower and a batched prefill, an estimate "
-            "until the service measures its peak"),
+            "until the service measures its peak"
+        ),
     ),
 }
 
@@ -546,35 +583,50 @@ DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 # Plan: a pure function of facts and policy.
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Policy:
     """What the operator asks for. Every field has a safe default; `validate` bounds them."""
 
-    objective: str = field(default="throughput", metadata={
-        "help": "throughput: workers of min_threads_per_worker cores or more; latency: one worker per NUMA node"})
+    objective: str = field(
+        default="throughput",
+        metadata={
+            "help": "throughput: workers of min_threads_per_worker cores or more; latency: one worker per NUMA node"
+        },
+    )
     model: str = field(default="qwen3-vl-2b-instruct", metadata={"help": "model footprint to size for"})
-    dtype: str = field(default="auto", metadata={
-        "help": "auto (bfloat16 with AVX-512 BF16 or AMX, else float32 if it fits), bfloat16 or float32"})
-    min_threads_per_worker: int = field(default=4, metadata={
-        "help": "throughput objective: the fewest cores a worker gets"})
-    max_workers: Optional[int] = field(default=None, metadata={"help": "cap on workers (default: none)"})
-    housekeeping_cores: Optional[int] = field(default=None, metadata={
-        "help": "cores per NUMA node kept for the OS and the front (default: 0 below 4 cores, else 1)"})
-    memory_reserve_bytes: Optional[int] = field(default=None, metadata={
-        "help": "memory kept for the OS (default: max(1 GiB, 5 percent of memory))"})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (bfloat16 with AVX-512 BF16 or AMX, else float32 if it fits), bfloat16 or float32"},
+    )
+    min_threads_per_worker: int = field(
+        default=4, metadata={"help": "throughput objective: the fewest cores a worker gets"}
+    )
+    max_workers: int | None = field(default=None, metadata={"help": "cap on workers (default: none)"})
+    housekeeping_cores: int | None = field(
+        default=None,
+        metadata={"help": "cores per NUMA node kept for the OS and the front (default: 0 below 4 cores, else 1)"},
+    )
+    memory_reserve_bytes: int | None = field(
+        default=None, metadata={"help": "memory kept for the OS (default: max(1 GiB, 5 percent of memory))"}
+    )
     max_batch_size: int = field(default=4, metadata={"help": "sequences a worker decodes together"})
-    max_context_tokens: int = field(default=4096, metadata={
-        "help": "prompt plus output tokens per sequence, for the KV-cache budget"})
+    max_context_tokens: int = field(
+        default=4096, metadata={"help": "prompt plus output tokens per sequence, for the KV-cache budget"}
+    )
     base_port: int = field(default=8101, metadata={"help": "port of worker 0; worker N listens on base_port + N"})
-    allowed_cpus: Optional[List[int]] = field(default=None, metadata={
-        "help": "restrict inference to these CPUs, a kernel CPU list such as 2-15 (default: all allowed)"})
-    swappiness: Optional[int] = field(default=None, metadata={
-        "help": "vm.swappiness override (default: 180 when zram is the only swap, else 10)"})
+    allowed_cpus: list[int] | None = field(
+        default=None,
+        metadata={"help": "restrict inference to these CPUs, a kernel CPU list such as 2-15 (default: all allowed)"},
+    )
+    swappiness: int | None = field(
+        default=None, metadata={"help": "vm.swappiness override (default: 180 when zram is the only swap, else 10)"}
+    )
     zram_fraction: float = field(default=0.5, metadata={"help": "zram swap size as a fraction of RAM"})
     zram_max_bytes: int = field(default=8 * GIB, metadata={"help": "upper bound of the zram size"})
     zram_algorithm: str = field(default="zstd", metadata={"help": "zram compression: zstd, lz4, lzo-rle or lzo"})
 
-    def validate(self, name_prefix: str = "") -> "Policy":
+    def validate(self, name_prefix: str = "") -> Policy:
         """Check every field; the error names each bad field (with `name_prefix`, as the caller calls it)."""
         problems = []
 
@@ -588,11 +640,15 @@ class Policy:
             bad("objective", "throughput or latency")
         if self.model not in FOOTPRINTS:
             bad("model", "one of " + ", ".join(sorted(FOOTPRINTS)))
-        if self.dtype not in ("auto",) + tuple(DTYPE_BYTES):
+        if self.dtype not in ("auto", *DTYPE_BYTES):
             bad("dtype", "auto, bfloat16 or float32")
-        for name, low, high in (("min_threads_per_worker", 1, 1024), ("max_batch_size", 1, 256),
-                                ("max_context_tokens", 256, 262144), ("base_port", 1024, 65000),
-                                ("zram_max_bytes", MIB, 2 ** 50)):
+        for name, low, high in (
+            ("min_threads_per_worker", 1, 1024),
+            ("max_batch_size", 1, 256),
+            ("max_context_tokens", 256, 262144),
+            ("base_port", 1024, 65000),
+            ("zram_max_bytes", MIB, 2**50),
+        ):
             if not is_int(getattr(self, name)) or not low <= getattr(self, name) <= high:
                 bad(name, "an integer from %d to %d" % (low, high))
         for name, low in (("max_workers", 1), ("housekeeping_cores", 0), ("memory_reserve_bytes", 0)):
@@ -601,20 +657,26 @@ class Policy:
                 bad(name, "empty or an integer >= %d" % low)
         if self.swappiness is not None and (not is_int(self.swappiness) or not 0 <= self.swappiness <= 200):
             bad("swappiness", "empty or an integer from 0 to 200")
-        if isinstance(self.zram_fraction, bool) or not isinstance(self.zram_fraction, (int, float)) \
-                or not 0 < self.zram_fraction <= 2:
+        if (
+            isinstance(self.zram_fraction, bool)
+            or not isinstance(self.zram_fraction, (int, float))
+            or not 0 < self.zram_fraction <= 2
+        ):
             bad("zram_fraction", "a number above 0 and at most 2")
         if self.zram_algorithm not in ("zstd", "lz4", "lzo-rle", "lzo"):
             bad("zram_algorithm", "zstd, lz4, lzo-rle or lzo")
-        if self.allowed_cpus is not None and (not isinstance(self.allowed_cpus, list) or not self.allowed_cpus
-                                              or not all(is_int(c) and c >= 0 for c in self.allowed_cpus)):
+        if self.allowed_cpus is not None and (
+            not isinstance(self.allowed_cpus, list)
+            or not self.allowed_cpus
+            or not all(is_int(c) and c >= 0 for c in self.allowed_cpus)
+        ):
             bad("allowed_cpus", "empty or a non-empty list of CPU numbers")
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
     @classmethod
-    def from_mapping(cls, values: Dict[str, Any], name_prefix: str = "") -> "Policy":
+    def from_mapping(cls, values: dict[str, Any], name_prefix: str = "") -> Policy:
         """Build from a mapping (Ansible variables, CLI); unknown keys are an error, None means default."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - names)
@@ -625,24 +687,34 @@ class Policy:
         for name, value in given.items():  # -e on the command line and env vars arrive as text
             kind = [a for a in typing.get_args(hints[name]) if a is not type(None)] or [hints[name]]
             if isinstance(value, str) and kind[0] in (int, float):
-                try:
+                with contextlib.suppress(ValueError):  # validate() names it
                     given[name] = kind[0](value)
-                except ValueError:
-                    pass  # validate() names it
         if isinstance(given.get("allowed_cpus"), str):
             try:
                 given["allowed_cpus"] = parse_cpu_list(given["allowed_cpus"])
             except ValueError:
-                raise ValueError("%sallowed_cpus must be a CPU list such as 0-3,8, not %r" % (
-                    name_prefix, given["allowed_cpus"])) from None
+                raise ValueError(
+                    "%sallowed_cpus must be a CPU list such as 0-3,8, not %r" % (name_prefix, given["allowed_cpus"])
+                ) from None
         return cls(**given).validate(name_prefix)
+
+
+def check_policy_fits(facts_limits: dict[str, Any], policy: Policy, name_prefix: str = "") -> None:
+    """Policy values that are valid in general but not on this host (a CPU it does not have)."""
+    if policy.allowed_cpus is not None:
+        outside = sorted(set(policy.allowed_cpus) - set(facts_limits["allowed_cpus"]))
+        if outside:
+            raise ValueError(
+                "%sallowed_cpus has CPUs %s that this host does not allow (it allows %s)"
+                % (name_prefix, format_cpu_list(outside), format_cpu_list(facts_limits["allowed_cpus"]))
+            )
 
 
 def _auto_housekeeping(candidate_cores: int) -> int:
     return 0 if candidate_cores < 4 else 1
 
 
-def _split_evenly(items: List[int], parts: int) -> List[List[int]]:
+def _split_evenly(items: list[int], parts: int) -> list[list[int]]:
     """Split a list into `parts` contiguous chunks whose sizes differ by at most one."""
     size, extra = divmod(len(items), parts)
     chunks, start = [], 0
@@ -657,12 +729,14 @@ def _gib(value: float) -> str:
     return "%.1f GiB" % (value / GIB)
 
 
-def worker_memory(footprint: ModelFootprint, dtype: str, policy: Policy) -> Dict[str, int]:
+MIN_CONTEXT_TOKENS = 2048  # a capped image (~200 tokens), a long question and a long answer
+
+
+def worker_memory(footprint: ModelFootprint, dtype: str, batch_size: int, context_tokens: int) -> dict[str, int]:
     """Per-worker memory: steady state (weights + KV + activations + runtime) and the load peak."""
     width = DTYPE_BYTES[dtype]
     weights = footprint.parameters * width
-    kv_cache = (2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width
-                * policy.max_batch_size * policy.max_context_tokens)
+    kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * batch_size * context_tokens
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
     # Loading into another dtype than the checkpoint's holds both copies for a moment
     # (measured: float32 from a bf16 checkpoint peaks at 12.3 GB for 8.3 GB steady).
@@ -670,14 +744,60 @@ def worker_memory(footprint: ModelFootprint, dtype: str, policy: Policy) -> Dict
     if dtype != footprint.checkpoint_dtype:
         peak += footprint.parameters * DTYPE_BYTES[footprint.checkpoint_dtype]
     high = max(steady, peak)
-    return {"weights_bytes": weights, "kv_cache_bytes": kv_cache,
-            "activation_bytes": footprint.activation_bytes, "runtime_bytes": footprint.runtime_bytes,
-            "steady_bytes": steady, "load_peak_bytes": peak,
-            # MemoryHigh throttles and reclaims; MemoryMax kills. 10% between them absorbs a burst.
-            "high_bytes": high, "max_bytes": int(high * 1.1)}
+    return {
+        "weights_bytes": weights,
+        "kv_cache_bytes": kv_cache,
+        "activation_bytes": footprint.activation_bytes,
+        "runtime_bytes": footprint.runtime_bytes,
+        "steady_bytes": steady,
+        "load_peak_bytes": peak,
+        # Workers are counted by MemoryHigh (where the kernel throttles and reclaims); MemoryMax
+        # (where it kills) sits 10% above, so a burst is slowed, not fatal, and comes out of the reserve.
+        "high_bytes": high,
+        "max_bytes": int(high * 1.1),
+    }
 
 
-def plan(facts: Dict[str, Any], policy: Optional[Policy] = None) -> Dict[str, Any]:
+def _fit_worker(footprint: ModelFootprint, dtype: str, policy: Policy, available: int):
+    """The largest batch, then context, up to the policy's, with which one worker fits in `available`."""
+    batch, context = policy.max_batch_size, policy.max_context_tokens
+    while True:
+        need = worker_memory(footprint, dtype, batch, context)
+        if need["high_bytes"] <= available:
+            break
+        if batch > 1:
+            batch //= 2
+        elif context > MIN_CONTEXT_TOKENS:
+            context = max(MIN_CONTEXT_TOKENS, context // 2)
+        else:
+            full = worker_memory(footprint, dtype, policy.max_batch_size, policy.max_context_tokens)
+            raise PlanError(
+                "one %s worker needs %s in %s (%s with batch 1 and %d-token context), but only %s is "
+                "available for workers: add memory (on WSL2 raise memory= in .wslconfig) or stop other "
+                "services"
+                % (
+                    footprint.name,
+                    _gib(full["high_bytes"]),
+                    dtype,
+                    _gib(need["high_bytes"]),
+                    MIN_CONTEXT_TOKENS,
+                    _gib(available),
+                )
+            )
+    if (batch, context) == (policy.max_batch_size, policy.max_context_tokens):
+        why = "batch %d x %d tokens as the policy asks" % (batch, context)
+    else:
+        why = "batch %d x %d tokens: the policy's %d x %d does not fit in %s" % (
+            batch,
+            context,
+            policy.max_batch_size,
+            policy.max_context_tokens,
+            _gib(available),
+        )
+    return need, batch, context, why
+
+
+def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
     """Size the service for a host. Raises PlanError when not even one worker fits."""
     policy = (policy or Policy()).validate()
     if facts.get("schema") != FACTS_SCHEMA:
@@ -687,81 +807,98 @@ def plan(facts: Dict[str, Any], policy: Optional[Policy] = None) -> Dict[str, An
 
     cores = _plan_cores(cpu, limits, policy)
     budget = _plan_memory_budget(memory, limits, policy)
-    dtype, dtype_why, per_worker = _plan_dtype(cpu, footprint, policy, budget["available_bytes"])
-
-    by_memory = budget["available_bytes"] // per_worker["max_bytes"]
-    if by_memory < 1:
-        raise PlanError(
-            "one %s worker needs %s (%s), but only %s is available after a %s reserve: add memory "
-            "(on WSL2 raise memory= in .wslconfig), lower max_context_tokens/max_batch_size, or "
-            "stop other services" % (
-                footprint.name, _gib(per_worker["max_bytes"]), dtype, _gib(budget["available_bytes"]),
-                _gib(budget["reserve_bytes"])))
+    dtype, dtype_why = _plan_dtype(cpu, footprint, policy, budget["available_bytes"])
+    per_worker, batch, context, batch_why = _fit_worker(footprint, dtype, policy, budget["available_bytes"])
+    by_memory = budget["available_bytes"] // per_worker["high_bytes"]
     workers = _plan_workers(cores["by_node"], policy, by_memory)
     count = len(workers)
     limits_said = []
     if count < cores["count_by_cores"]:
         limits_said.append("memory allows %d of %d by cores" % (by_memory, cores["count_by_cores"]))
-    if policy.max_workers is not None and count == policy.max_workers and count < min(by_memory, cores["count_by_cores"]):
+    if policy.max_workers is not None and count == policy.max_workers < min(by_memory, cores["count_by_cores"]):
         limits_said.append("max_workers caps at %d" % policy.max_workers)
     workers_why = "; ".join(limits_said) or "cores allow %d (%s), memory allows %d" % (
-        cores["count_by_cores"], cores["count_why"], by_memory)
+        cores["count_by_cores"],
+        cores["count_why"],
+        by_memory,
+    )
 
     sibling_of = {e["cpu"]: [c for c in e["core_cpus"] if c != e["cpu"]] for e in cpu["topology"]}
     allowed = set(cores["allowed"])
     worker_list = []
     for index, (node, cpus) in enumerate(workers):
         places = ",".join("{%d}" % c for c in cpus)
-        worker_list.append({
-            "index": index,
-            "port": policy.base_port + index,
-            "numa_node": node,
-            "cpus": cpus,
-            # SMT siblings of the worker's cores: the event loop and image decoding may run there,
-            # off the cores torch keeps busy; torch threads never do.
-            "sibling_cpus": sorted(s for c in cpus for s in sibling_of.get(c, []) if s in allowed),
-            "threads": len(cpus),
-            "memory_high_bytes": per_worker["high_bytes"],
-            "memory_max_bytes": per_worker["max_bytes"],
-            "environment": {
-                "OMP_NUM_THREADS": str(len(cpus)),
-                "MKL_NUM_THREADS": str(len(cpus)),
-                "OMP_PROC_BIND": "close",
-                "OMP_PLACES": places,
-                "VLSERVE_THREADS": str(len(cpus)),
-                "VLSERVE_DTYPE": dtype,
-            },
-        })
+        worker_list.append(
+            {
+                "index": index,
+                "port": policy.base_port + index,
+                "numa_node": node,
+                "cpus": cpus,
+                # SMT siblings of the worker's cores: the event loop and image decoding may run there,
+                # off the cores torch keeps busy; torch threads never do.
+                "sibling_cpus": sorted(s for c in cpus for s in sibling_of.get(c, []) if s in allowed),
+                "threads": len(cpus),
+                "memory_high_bytes": per_worker["high_bytes"],
+                "memory_max_bytes": per_worker["max_bytes"],
+                "environment": {
+                    "OMP_NUM_THREADS": str(len(cpus)),
+                    "MKL_NUM_THREADS": str(len(cpus)),
+                    "OMP_PROC_BIND": "close",
+                    "OMP_PLACES": places,
+                    "VLSERVE_THREADS": str(len(cpus)),
+                    "VLSERVE_DTYPE": dtype,
+                    "VLSERVE_MAX_BATCH_SIZE": str(batch),
+                    "VLSERVE_MAX_CONTEXT_TOKENS": str(context),
+                },
+            }
+        )
     multi_node = len(cpu["numa_nodes"]) > 1
     return {
         "schema": PLAN_SCHEMA,
         "host": facts.get("hostname"),
         "policy": asdict(policy),
-        "model": {"name": footprint.name, "dtype": dtype, "why": dtype_why,
-                  "max_batch_size": policy.max_batch_size, "max_context_tokens": policy.max_context_tokens,
-                  "footprint_provenance": footprint.provenance},
+        "model": {
+            "name": footprint.name,
+            "dtype": dtype,
+            "why": dtype_why,
+            "max_batch_size": batch,
+            "max_context_tokens": context,
+            "batch_why": batch_why,
+            "footprint_provenance": footprint.provenance,
+        },
         "cores": {key: cores[key] for key in ("allowed", "candidates", "housekeeping", "usable", "why")},
-        "memory": dict(budget, per_worker=per_worker,
-                       why="%s per worker (%s steady, %s at load); %s available for workers" % (
-                           _gib(per_worker["max_bytes"]), _gib(per_worker["steady_bytes"]),
-                           _gib(per_worker["load_peak_bytes"]), _gib(budget["available_bytes"]))),
-        "workers": {"count": count, "threads": [w["threads"] for w in worker_list], "why": workers_why,
-                    "numa_bind": multi_node,
-                    "numa_why": "each worker is bound to its NUMA node's CPUs and memory" if multi_node
-                    else "one NUMA node: no memory binding needed"},
+        "memory": dict(
+            budget,
+            per_worker=per_worker,
+            why="MemoryHigh %s per worker (%s steady, %s at load), MemoryMax %s; %s available "
+            "for workers"
+            % (
+                _gib(per_worker["high_bytes"]),
+                _gib(per_worker["steady_bytes"]),
+                _gib(per_worker["load_peak_bytes"]),
+                _gib(per_worker["max_bytes"]),
+                _gib(budget["available_bytes"]),
+            ),
+        ),
+        "workers": {
+            "count": count,
+            "threads": [w["threads"] for w in worker_list],
+            "why": workers_why,
+            "numa_bind": multi_node,
+            "numa_why": "each worker is bound to its NUMA node's CPUs and memory"
+            if multi_node
+            else "one NUMA node: no memory binding needed",
+        },
         "worker_list": worker_list,
         "knobs": _plan_knobs(facts, policy, cores),
     }
 
 
-def _plan_cores(cpu: Dict[str, Any], limits: Dict[str, Any], policy: Policy) -> Dict[str, Any]:
+def _plan_cores(cpu: dict[str, Any], limits: dict[str, Any], policy: Policy) -> dict[str, Any]:
     """Which physical cores inference may use, per NUMA node, and why."""
     allowed = list(limits["allowed_cpus"])
     if policy.allowed_cpus is not None:
-        outside = sorted(set(policy.allowed_cpus) - set(allowed))
-        if outside:
-            raise PlanError("allowed_cpus %s are outside the CPUs this host allows (%s)" % (
-                format_cpu_list(outside), format_cpu_list(allowed)))
+        check_policy_fits(facts_limits=limits, policy=policy)
         allowed = sorted(policy.allowed_cpus)
     efficiency = set(cpu["efficiency_cpus"])
     # One logical CPU per physical core: the lowest allowed sibling. Torch threads on SMT
@@ -772,13 +909,15 @@ def _plan_cores(cpu: Dict[str, Any], limits: Dict[str, Any], policy: Policy) -> 
             key = tuple(entry["core_cpus"])
             if key not in primary:
                 primary[key] = entry
-    by_node: Dict[int, List[int]] = {}
+    by_node: dict[int, list[int]] = {}
     for entry in sorted(primary.values(), key=lambda e: e["cpu"]):
         by_node.setdefault(entry["node"], []).append(entry["cpu"])
     candidates = sorted(c for cpus in by_node.values() for c in cpus)
     if not candidates:
-        raise PlanError("no usable core: the allowed CPUs (%s) are all efficiency cores or offline" % (
-            format_cpu_list(allowed) or "none"))
+        raise PlanError(
+            "no usable core: the allowed CPUs (%s) are all efficiency cores or offline"
+            % (format_cpu_list(allowed) or "none")
+        )
 
     notes = ["%d physical cores allowed" % len(candidates)]
     if efficiency & set(allowed):
@@ -794,11 +933,18 @@ def _plan_cores(cpu: Dict[str, Any], limits: Dict[str, Any], policy: Policy) -> 
             take = min(reserve, len(by_node[node]) - 1)
             housekeeping += by_node[node][:take]
             by_node[node] = by_node[node][take:]
-        notes.append("%d kept for housekeeping (%s)" % (len(housekeeping), "set by policy"
-                     if policy.housekeeping_cores is not None else "one per NUMA node from 4 cores up"))
+        notes.append(
+            "%d kept for housekeeping (%s)"
+            % (
+                len(housekeeping),
+                "set by policy" if policy.housekeeping_cores is not None else "one per NUMA node from 4 cores up",
+            )
+        )
     else:
-        notes.append("none kept for housekeeping (%s)" % ("set by policy" if policy.housekeeping_cores
-                     is not None else "fewer than 4 cores"))
+        notes.append(
+            "none kept for housekeeping (%s)"
+            % ("set by policy" if policy.housekeeping_cores is not None else "fewer than 4 cores")
+        )
     quota = limits.get("cpu_quota_cpus")
     usable_count = sum(len(cpus) for cpus in by_node.values())
     if quota is not None and quota < usable_count:
@@ -816,13 +962,22 @@ def _plan_cores(cpu: Dict[str, Any], limits: Dict[str, Any], policy: Policy) -> 
     else:
         count = sum(max(1, len(cpus) // policy.min_threads_per_worker) for cpus in by_node.values())
         count_why = "throughput: %d usable cores / %d threads per worker at least, per NUMA node" % (
-            len(usable), policy.min_threads_per_worker)
-    return {"allowed": allowed, "candidates": candidates, "housekeeping": sorted(housekeeping),
-            "usable": usable, "by_node": by_node, "count_by_cores": count, "count_why": count_why,
-            "why": "%d usable: %s" % (len(usable), ", ".join(notes))}
+            len(usable),
+            policy.min_threads_per_worker,
+        )
+    return {
+        "allowed": allowed,
+        "candidates": candidates,
+        "housekeeping": sorted(housekeeping),
+        "usable": usable,
+        "by_node": by_node,
+        "count_by_cores": count,
+        "count_why": count_why,
+        "why": "%d usable: %s" % (len(usable), ", ".join(notes)),
+    }
 
 
-def _plan_memory_budget(memory: Dict[str, Any], limits: Dict[str, Any], policy: Policy) -> Dict[str, Any]:
+def _plan_memory_budget(memory: dict[str, Any], limits: dict[str, Any], policy: Policy) -> dict[str, Any]:
     total = memory["total_bytes"]
     available = memory["available_bytes"] + (limits.get("vlserve_slice_bytes") or 0)
     why = "MemAvailable"
@@ -837,28 +992,32 @@ def _plan_memory_budget(memory: Dict[str, Any], limits: Dict[str, Any], policy: 
         reserve, reserve_why = policy.memory_reserve_bytes, "set by policy"
     else:
         reserve, reserve_why = max(GIB, total // 20), "max(1 GiB, 5% of memory)"
-    return {"total_bytes": total, "reserve_bytes": reserve, "reserve_why": reserve_why,
-            "available_bytes": max(0, available - reserve), "available_why": why}
+    return {
+        "total_bytes": total,
+        "reserve_bytes": reserve,
+        "reserve_why": reserve_why,
+        "available_bytes": max(0, available - reserve),
+        "available_why": why,
+    }
 
 
-def _plan_dtype(cpu: Dict[str, Any], footprint: ModelFootprint, policy: Policy, available: int):
+def _plan_dtype(cpu: dict[str, Any], footprint: ModelFootprint, policy: Policy, available: int):
     isa = cpu["isa"]
-    native = isa.get("avx512_bf16") or isa.get("amx_bf16")
     if policy.dtype != "auto":
-        return policy.dtype, "set by policy", worker_memory(footprint, policy.dtype, policy)
-    if native:
+        return policy.dtype, "set by policy"
+    if isa.get("avx512_bf16") or isa.get("amx_bf16"):
         which = "AMX" if isa.get("amx_bf16") else "AVX-512 BF16"
-        return "bfloat16", "the CPU has %s: half the memory traffic per token" % which, worker_memory(
-            footprint, "bfloat16", policy)
-    as_float32 = worker_memory(footprint, "float32", policy)
-    if as_float32["max_bytes"] <= available:
-        return "float32", "no AVX-512 BF16 or AMX: bfloat16 would be emulated", as_float32
-    return "bfloat16", ("no native bfloat16, but float32 needs %s per worker and %s is available: "
-                        "bfloat16 fits, at emulated speed" % (_gib(as_float32["max_bytes"]), _gib(available))
-                        ), worker_memory(footprint, "bfloat16", policy)
+        return "bfloat16", "the CPU has %s: half the memory traffic per token" % which
+    as_float32 = worker_memory(footprint, "float32", policy.max_batch_size, policy.max_context_tokens)
+    if as_float32["high_bytes"] <= available:
+        return "float32", "no AVX-512 BF16 or AMX: bfloat16 would be emulated"
+    return "bfloat16", (
+        "no native bfloat16, but a float32 worker needs %s and %s is available: "
+        "bfloat16 fits, at emulated speed" % (_gib(as_float32["high_bytes"]), _gib(available))
+    )
 
 
-def _plan_workers(by_node: Dict[int, List[int]], policy: Policy, by_memory: int):
+def _plan_workers(by_node: dict[int, list[int]], policy: Policy, by_memory: int):
     """Give each NUMA node its workers, never one across nodes, and split its cores among them."""
     per_node = {}
     for node, cpus in sorted(by_node.items()):
@@ -879,23 +1038,31 @@ def _plan_workers(by_node: Dict[int, List[int]], policy: Policy, by_memory: int)
     return workers
 
 
-def _plan_knobs(facts: Dict[str, Any], policy: Policy, cores: Dict[str, Any]) -> Dict[str, Any]:
+def _plan_knobs(facts: dict[str, Any], policy: Policy, cores: dict[str, Any]) -> dict[str, Any]:
     """Host tuning knobs: the desired value, whether it applies here, and why."""
     platform, memory, cpufreq = facts["platform"], facts["memory"], facts["cpufreq"]
     container = platform["kind"] == "container"
-    knobs: Dict[str, Any] = {}
+    knobs: dict[str, Any] = {}
 
     if cpufreq["available"] and not container:
-        knobs["cpu_governor"] = {"value": "performance", "applies": True,
-                                 "why": "steady clocks: ondemand/powersave ramp up too late for bursts"}
+        knobs["cpu_governor"] = {
+            "value": "performance",
+            "applies": True,
+            "why": "steady clocks: ondemand/powersave ramp up too late for bursts",
+        }
         knobs["energy_performance_preference"] = {
             "value": "performance",
             "applies": "performance" in cpufreq["available_energy_performance_preferences"],
             "why": "%s exposes EPP" % cpufreq["driver"]
-            if cpufreq["available_energy_performance_preferences"] else "no EPP on this cpufreq driver"}
+            if cpufreq["available_energy_performance_preferences"]
+            else "no EPP on this cpufreq driver",
+        }
     else:
-        why = ("containers cannot set the host's governor" if container else
-               "no cpufreq here (%s): the hypervisor owns the clocks" % (platform["vm"] or platform["kind"]))
+        why = (
+            "containers cannot set the host's governor"
+            if container
+            else "no cpufreq here (%s): the hypervisor owns the clocks" % (platform["vm"] or platform["kind"])
+        )
         knobs["cpu_governor"] = {"value": "performance", "applies": False, "why": why}
         knobs["energy_performance_preference"] = {"value": "performance", "applies": False, "why": why}
 
@@ -910,43 +1077,70 @@ def _plan_knobs(facts: Dict[str, Any], policy: Policy, cores: Dict[str, Any]) ->
     else:
         zram_why = "compressed swap in RAM absorbs bursts of the housekeeping side; the model never relies on it"
     size = min(int(memory["total_bytes"] * policy.zram_fraction), policy.zram_max_bytes)
-    knobs["zram"] = {"value": {"size_bytes": size // MIB * MIB, "algorithm": policy.zram_algorithm,
-                               "priority": 100},
-                     "applies": zram_applies, "why": zram_why}
+    knobs["zram"] = {
+        "value": {"size_bytes": size // MIB * MIB, "algorithm": policy.zram_algorithm, "priority": 100},
+        "applies": zram_applies,
+        "why": zram_why,
+    }
     zram_only = zram_applies and not other_swap
     if policy.swappiness is not None:
         swappiness, swap_why = policy.swappiness, "set by policy"
     elif zram_only:
-        swappiness, swap_why = 180, ("zram is the only swap: the kernel docs advise above 100 when swap "
-                                     "is faster than the file system; cold anonymous pages compress "
-                                     "instead of evicting the model's page cache")
+        swappiness, swap_why = (
+            180,
+            (
+                "zram is the only swap: the kernel docs advise above 100 when swap "
+                "is faster than the file system; cold anonymous pages compress "
+                "instead of evicting the model's page cache"
+            ),
+        )
     elif other_swap:
-        swappiness, swap_why = 10, ("swap on a disk: keep anonymous memory (the model's weights) in RAM "
-                                    "and reclaim page cache first")
+        swappiness, swap_why = (
+            10,
+            ("swap on a disk: keep anonymous memory (the model's weights) in RAM and reclaim page cache first"),
+        )
     else:
-        swappiness, swap_why = 10, ("no swap here: 10 keeps the model's weights resident should a disk "
-                                    "swap be added later")
+        swappiness, swap_why = (
+            10,
+            ("no swap here: 10 keeps the model's weights resident should a disk swap be added later"),
+        )
     sysctl_why = "" if not container else "; /proc/sys is the host's in a container: written, not applied"
-    knobs["swappiness"] = {"value": swappiness, "applies": not container,
-                           "why": swap_why + sysctl_why}
-    knobs["page_cluster"] = {"value": 0 if zram_only else 3, "applies": not container,
-                             "why": ("zram swaps single pages fastest: no read-ahead" if zram_only
-                                     else "kernel default for disk swap") + sysctl_why}
+    knobs["swappiness"] = {"value": swappiness, "applies": not container, "why": swap_why + sysctl_why}
+    knobs["page_cluster"] = {
+        "value": 0 if zram_only else 3,
+        "applies": not container,
+        "why": ("zram swaps single pages fastest: no read-ahead" if zram_only else "kernel default for disk swap")
+        + sysctl_why,
+    }
 
     v2 = facts["limits"]["cgroup_version"] == "v2"
     knobs["cpu_isolation"] = {
-        "value": {"slice": "vlserve.slice", "cpus": cores["usable"] + sorted(
-            s for e in facts["cpu"]["topology"] if e["cpu"] in cores["usable"] for s in e["core_cpus"]
-            if s != e["cpu"] and s in cores["allowed"]),
-            "housekeeping_cpus": cores["housekeeping"]},
+        "value": {
+            "slice": "vlserve.slice",
+            "cpus": cores["usable"]
+            + sorted(
+                s
+                for e in facts["cpu"]["topology"]
+                if e["cpu"] in cores["usable"]
+                for s in e["core_cpus"]
+                if s != e["cpu"] and s in cores["allowed"]
+            ),
+            "housekeeping_cpus": cores["housekeeping"],
+        },
         "applies": v2 and platform["init"] == "systemd",
-        "why": ("vlserve.slice gets the inference cores through AllowedCPUs=" if v2 and platform["init"] == "systemd"
-                else "needs systemd on cgroup v2 (this host: %s, cgroup %s)" % (
-                    platform["init"], facts["limits"]["cgroup_version"] or "none"))}
+        "why": (
+            "vlserve.slice gets the inference cores through AllowedCPUs="
+            if v2 and platform["init"] == "systemd"
+            else "needs systemd on cgroup v2 (this host: %s, cgroup %s)"
+            % (platform["init"], facts["limits"]["cgroup_version"] or "none")
+        ),
+    }
     knobs["cpu_isolation"]["value"]["cpus"] = sorted(set(knobs["cpu_isolation"]["value"]["cpus"]))
-    knobs["wsl"] = {"value": {"systemd": True}, "applies": bool(platform["wsl"]),
-                    "why": "WSL2 needs systemd=true in /etc/wsl.conf for the units" if platform["wsl"]
-                    else "not a WSL host"}
+    knobs["wsl"] = {
+        "value": {"systemd": True},
+        "applies": bool(platform["wsl"]),
+        "why": "WSL2 needs systemd=true in /etc/wsl.conf for the units" if platform["wsl"] else "not a WSL host",
+    }
     return knobs
 
 
@@ -954,54 +1148,86 @@ def _plan_knobs(facts: Dict[str, Any], policy: Policy, cores: Dict[str, Any]) ->
 # Human-readable rendering, shared by the CLI and the audit.
 # --------------------------------------------------------------------------------------------
 
-def render_facts(facts: Dict[str, Any]) -> str:
+
+def render_facts(facts: dict[str, Any]) -> str:
     cpu, limits, memory, platform = facts["cpu"], facts["limits"], facts["memory"], facts["platform"]
     isa = ", ".join(name for name, present in cpu["isa"].items() if present) or "none of interest"
     rows = [
-        ("host", "%s (%s, %s)" % (facts["hostname"], platform["os"]["pretty_name"] or "unknown OS",
-                                  platform["kernel"])),
-        ("platform", "%s%s%s" % (platform["kind"],
-                                 " (%s)" % platform["container"] if platform["container"] else "",
-                                 " on %s" % platform["vm"] if platform["vm"] and platform["kind"] != "vm"
-                                 else " (%s)" % platform["vm"] if platform["vm"] else "")),
+        (
+            "host",
+            "%s (%s, %s)" % (facts["hostname"], platform["os"]["pretty_name"] or "unknown OS", platform["kernel"]),
+        ),
+        (
+            "platform",
+            "%s%s%s"
+            % (
+                platform["kind"],
+                " (%s)" % platform["container"] if platform["container"] else "",
+                " on %s" % platform["vm"]
+                if platform["vm"] and platform["kind"] != "vm"
+                else " (%s)" % platform["vm"]
+                if platform["vm"]
+                else "",
+            ),
+        ),
         ("cpu", "%s (%s)" % (cpu["model_name"] or "unknown", cpu["arch"])),
-        ("topology", "%d sockets, %d physical cores, %d logical CPUs, %d NUMA nodes" % (
-            cpu["sockets"], cpu["physical_cores"], cpu["logical_cpus"], len(cpu["numa_nodes"]))),
+        (
+            "topology",
+            "%d sockets, %d physical cores, %d logical CPUs, %d NUMA nodes"
+            % (cpu["sockets"], cpu["physical_cores"], cpu["logical_cpus"], len(cpu["numa_nodes"])),
+        ),
         ("e-cores", format_cpu_list(cpu["efficiency_cpus"]) or "none"),
         ("isa", isa),
         ("allowed cpus", format_cpu_list(limits["allowed_cpus"])),
         ("cpu quota", "%.2f CPUs" % limits["cpu_quota"] if limits["cpu_quota"] is not None else "none"),
         ("cgroup", limits["cgroup_version"] or "none"),
-        ("memory", "%s total, %s available, %s swap" % (
-            _gib(memory["total_bytes"]), _gib(memory["available_bytes"]), _gib(memory["swap_total_bytes"]))),
+        (
+            "memory",
+            "%s total, %s available, %s swap"
+            % (_gib(memory["total_bytes"]), _gib(memory["available_bytes"]), _gib(memory["swap_total_bytes"])),
+        ),
         ("memory limit", _gib(limits["memory_limit_bytes"]) if limits["memory_limit_bytes"] else "none"),
         ("zram", "available" if memory["zram"]["available"] else "not available"),
-        ("cpufreq", "%s, governors %s" % (facts["cpufreq"]["driver"], ", ".join(
-            sorted(facts["cpufreq"]["governors"]))) if facts["cpufreq"]["available"] else "not available"),
+        (
+            "cpufreq",
+            "%s, governors %s" % (facts["cpufreq"]["driver"], ", ".join(sorted(facts["cpufreq"]["governors"])))
+            if facts["cpufreq"]["available"]
+            else "not available",
+        ),
         ("init", platform["init"]),
     ]
     return _table(rows)
 
 
-def render_plan(result: Dict[str, Any]) -> str:
+def render_plan(result: dict[str, Any]) -> str:
     memory = result["memory"]
     rows = [
         ("workers", "%d  (%s)" % (result["workers"]["count"], result["workers"]["why"])),
         ("dtype", "%s  (%s)" % (result["model"]["dtype"], result["model"]["why"])),
+        ("batch", result["model"]["batch_why"]),
         ("cores", result["cores"]["why"]),
         ("memory", memory["why"]),
         ("reserve", "%s  (%s)" % (_gib(memory["reserve_bytes"]), memory["reserve_why"])),
         ("numa", result["workers"]["numa_why"]),
     ]
     for worker in result["worker_list"]:
-        rows.append(("worker %d" % worker["index"], "port %d, node %d, cpus %s, %d threads, MemoryMax %s" % (
-            worker["port"], worker["numa_node"], format_cpu_list(worker["cpus"]), worker["threads"],
-            _gib(worker["memory_max_bytes"]))))
+        rows.append(
+            (
+                "worker %d" % worker["index"],
+                "port %d, node %d, cpus %s, %d threads, MemoryMax %s"
+                % (
+                    worker["port"],
+                    worker["numa_node"],
+                    format_cpu_list(worker["cpus"]),
+                    worker["threads"],
+                    _gib(worker["memory_max_bytes"]),
+                ),
+            )
+        )
     for name, knob in result["knobs"].items():
         value = knob["value"]
         if isinstance(value, dict):
-            value = ", ".join("%s=%s" % (k, format_cpu_list(v) if isinstance(v, list) else v)
-                              for k, v in value.items())
+            value = ", ".join("%s=%s" % (k, format_cpu_list(v) if isinstance(v, list) else v) for k, v in value.items())
         rows.append((name, "%s  [%s] %s" % (value, "applies" if knob["applies"] else "n/a", knob["why"])))
     return _table(rows)
 
@@ -1011,5 +1237,5 @@ def _table(rows) -> str:
     return "\n".join("%s  %s" % (label.ljust(width), value) for label, value in rows)
 
 
-def dumps(data: Dict[str, Any]) -> str:
+def dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, sort_keys=True)

@@ -1,9 +1,5 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 """Ansible module: the vlserve sizing engine (probe + plan) run on the target host."""
-from __future__ import absolute_import, division, print_function
-
-__metaclass__ = type
 
 DOCUMENTATION = r"""
 ---
@@ -36,20 +32,32 @@ ansible_facts:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.vlserve_sizing import PlanError, Policy, plan, probe, render_facts, render_plan
+from ansible.module_utils.vlserve_sizing import (
+    PlanError,
+    Policy,
+    check_policy_fits,
+    plan,
+    probe,
+    render_facts,
+    render_plan,
+)
 
 
 def main():
     module = AnsibleModule(
-        argument_spec={"policy": {"type": "dict", "default": {}}, "facts": {"type": "dict"},
-                       "name_prefix": {"type": "str", "default": ""}},
+        argument_spec={
+            "policy": {"type": "dict", "default": {}},
+            "facts": {"type": "dict"},
+            "name_prefix": {"type": "str", "default": ""},
+        },
         supports_check_mode=True,
     )
+    facts = module.params["facts"] or probe()
     try:
         policy = Policy.from_mapping(module.params["policy"], module.params["name_prefix"])
+        check_policy_fits(facts["limits"], policy, module.params["name_prefix"])
     except (TypeError, ValueError) as error:
         module.fail_json(msg="invalid sizing policy: %s" % error)
-    facts = module.params["facts"] or probe()
     result, error, text = None, None, render_facts(facts)
     try:
         result = plan(facts, policy)
@@ -57,10 +65,15 @@ def main():
     except PlanError as failure:
         error = str(failure)
         text += "\n\nno plan: " + error
-    module.exit_json(changed=False, ansible_facts={
-        "vlserve_facts": facts, "vlserve_plan": result, "vlserve_plan_error": error,
-        "vlserve_plan_text": text,
-    })
+    module.exit_json(
+        changed=False,
+        ansible_facts={
+            "vlserve_facts": facts,
+            "vlserve_plan": result,
+            "vlserve_plan_error": error,
+            "vlserve_plan_text": text,
+        },
+    )
 
 
 if __name__ == "__main__":

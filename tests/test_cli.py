@@ -1,0 +1,79 @@
+"""`vlserve probe` and `vlserve plan` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import jsonschema
+import pytest
+
+from conftest import TOPOLOGIES, VENV_BIN
+
+ALL = sorted(TOPOLOGIES.glob("*.json"))
+INFEASIBLE = {"wsl2-8cpu-6g"}
+
+
+def vlserve(*args):
+    return subprocess.run([str(VENV_BIN / "vlserve"), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_probe_json_here_follows_the_schema(facts_schema):
+    result = vlserve("probe", "--json")
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), facts_schema)
+
+
+def test_probe_table_here():
+    result = vlserve("probe")
+    assert result.returncode == 0, result.stderr
+    for label in ("topology", "isa", "allowed cpus", "memory", "cpufreq", "platform"):
+        assert label in result.stdout
+
+
+def test_plan_here_prints_facts_and_plan():
+    result = vlserve("plan")
+    assert result.returncode == 0, result.stderr
+    assert "workers" in result.stdout and "worker 0" in result.stdout and "dtype" in result.stdout
+
+
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+def test_plan_on_every_fixture(path, plan_schema):
+    result = vlserve("plan", "--facts", str(path), "--json")
+    plan = json.loads(result.stdout)
+    jsonschema.validate(plan, plan_schema)
+    if path.stem in INFEASIBLE:
+        assert result.returncode == 1
+        assert "cannot plan" in result.stderr and plan["error"] in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert plan["workers"]["count"] == len(plan["worker_list"]) >= 1
+    table = vlserve("plan", "--facts", str(path))
+    assert table.returncode == result.returncode
+
+
+def test_plan_flags_follow_the_policy():
+    path = TOPOLOGIES / "xeon-gold-6248r-2s.json"
+    plan = json.loads(
+        vlserve("plan", "--facts", str(path), "--json", "--policy", "latency", "--base-port", "9000").stdout
+    )
+    assert plan["workers"]["threads"] == [15, 15]
+    assert [w["port"] for w in plan["worker_list"]] == [9000, 9001]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--swappiness", "500"], "swappiness must be empty or an integer from 0 to 200"),
+        (["--allowed-cpus", "0-64"], "allowed_cpus has CPUs 2-64 that this host does not allow"),
+    ],
+)
+def test_bad_policy_exits_2_with_the_reason(args, message):
+    result = vlserve("plan", "--facts", str(TOPOLOGIES / "this-machine.json"), *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_unknown_policy_is_refused_by_the_parser():
+    result = vlserve("plan", "--policy", "fastest")
+    assert result.returncode == 2 and "invalid choice" in result.stderr

@@ -1,0 +1,208 @@
+"""The probe: on this machine against lscpu and /proc/meminfo, and on built /proc + /sys trees."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+import jsonschema
+import pytest
+
+from vlserve import sizing
+
+
+@pytest.fixture(scope="module")
+def live():
+    return sizing.probe()
+
+
+def lscpu_rows():
+    out = subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET,NODE"], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("#"):
+            continue
+        cpu, core, socket, node = line.split(",")
+        rows.append((int(cpu), int(core), int(socket), int(node or 0)))
+    return rows
+
+
+def meminfo_bytes(key):
+    for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def test_live_probe_matches_its_schema(live, facts_schema):
+    jsonschema.validate(live, facts_schema)
+
+
+def test_live_probe_agrees_with_lscpu(live):
+    rows = lscpu_rows()
+    assert live["cpu"]["logical_cpus"] == len(rows)
+    assert live["cpu"]["physical_cores"] == len({(socket, core) for _, core, socket, _ in rows})
+    assert live["cpu"]["sockets"] == len({socket for _, _, socket, _ in rows})
+    assert len(live["cpu"]["numa_nodes"]) == len({node for *_, node in rows})
+    for cpu, _, socket, node in rows:
+        entry = next(e for e in live["cpu"]["topology"] if e["cpu"] == cpu)
+        assert (entry["package"], entry["node"]) == (socket, node)
+    flags = set(subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.split())
+    for name, present in live["cpu"]["isa"].items():
+        assert present == (name in flags), name
+
+
+def test_live_probe_agrees_with_proc_meminfo(live):
+    assert live["memory"]["total_bytes"] == meminfo_bytes("MemTotal")
+    assert live["memory"]["swap_total_bytes"] == meminfo_bytes("SwapTotal")
+    # MemAvailable moves while the tests run; a few hundred MiB is noise, not disagreement.
+    assert abs(live["memory"]["available_bytes"] - meminfo_bytes("MemAvailable")) < 512 * sizing.MIB
+    assert live["limits"]["affinity"] == sorted(os.sched_getaffinity(0))
+
+
+def test_library_and_file_sources_agree(live):
+    plain = sizing.probe(use_libraries=False)
+    assert plain["sources"]["memory"] == "/proc/meminfo" and live["sources"]["memory"] == "psutil"
+    assert plain["cpu"]["topology"] == live["cpu"]["topology"]
+    assert plain["cpu"]["isa"] == live["cpu"]["isa"]
+    assert plain["memory"]["total_bytes"] == live["memory"]["total_bytes"]
+    assert plain["limits"]["allowed_cpus"] == live["limits"]["allowed_cpus"]
+
+
+class Tree:
+    """A /proc + /sys tree to probe, written file by file."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+
+    def write(self, path: str, text: str) -> Tree:
+        target = self.root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text + "\n")
+        return self
+
+    def cpus(self, layout, nodes=None):
+        """layout: list of sibling groups, e.g. [[0, 4], [1, 5]]; nodes: {node: [cpus]}."""
+        every = sorted(c for group in layout for c in group)
+        self.write("/sys/devices/system/cpu/online", sizing.format_cpu_list(every))
+        for group in layout:
+            for cpu in group:
+                base = "/sys/devices/system/cpu/cpu%d" % cpu
+                self.write(base + "/topology/core_cpus_list", sizing.format_cpu_list(group))
+                self.write(base + "/topology/physical_package_id", "0")
+        for node, members in (nodes or {0: every}).items():
+            self.write("/sys/devices/system/node/node%d/cpulist" % node, sizing.format_cpu_list(members))
+        self.write(
+            "/proc/cpuinfo",
+            "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Test CPU\n"
+            "flags\t\t: fpu avx2 avx512f avx512_bf16 hypervisor\n",
+        )
+        self.write(
+            "/proc/meminfo", "MemTotal:       16384000 kB\nMemAvailable:   12000000 kB\nSwapTotal:       4194300 kB\n"
+        )
+        self.write("/proc/self/status", "Name:\tprobe\nCpus_allowed_list:\t%s\n" % sizing.format_cpu_list(every))
+        return self
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return Tree(tmp_path)
+
+
+def test_tree_smt_numa_and_meminfo(tree):
+    tree.cpus([[0, 4], [1, 5], [2, 6], [3, 7]], nodes={0: [0, 1, 4, 5], 1: [2, 3, 6, 7]})
+    facts = sizing.probe(str(tree.root))
+    cpu = facts["cpu"]
+    assert (cpu["logical_cpus"], cpu["physical_cores"], cpu["threads_per_core"]) == (8, 4, 2)
+    assert cpu["numa_nodes"] == {"0": [0, 1, 4, 5], "1": [2, 3, 6, 7]}
+    assert cpu["isa"]["avx512_bf16"] and not cpu["isa"]["amx_bf16"]
+    assert facts["memory"]["total_bytes"] == 16384000 * 1024
+    assert facts["memory"]["available_bytes"] == 12000000 * 1024
+    assert facts["sources"]["memory"] == "/proc/meminfo"
+    assert facts["platform"]["vm"] == "unknown"  # only the hypervisor CPU flag says so
+
+
+def test_tree_cgroup_v2_quota_cpuset_and_memory_limit(tree):
+    tree.cpus([[c] for c in range(16)])
+    tree.write("/proc/self/cgroup", "0::/docker/abc")
+    tree.write("/sys/fs/cgroup/cgroup.controllers", "cpuset cpu io memory pids")
+    tree.write("/sys/fs/cgroup/docker/abc/cpuset.cpus.effective", "0-7")
+    tree.write("/sys/fs/cgroup/docker/abc/cpu.max", "250000 100000")
+    tree.write("/sys/fs/cgroup/docker/cpu.max", "max 100000")
+    tree.write("/sys/fs/cgroup/docker/abc/memory.max", "max")
+    tree.write("/sys/fs/cgroup/docker/memory.max", str(8 * sizing.GIB))
+    tree.write("/sys/fs/cgroup/docker/abc/memory.current", str(sizing.GIB))
+    tree.write("/.dockerenv", "")
+    limits = sizing.probe(str(tree.root))["limits"]
+    assert limits["cgroup_version"] == "v2"
+    assert limits["cgroup_cpuset"] == list(range(8))
+    assert limits["allowed_cpus"] == list(range(8))
+    assert (limits["cpu_quota"], limits["cpu_quota_cpus"]) == (2.5, 2)
+    assert limits["memory_limit_bytes"] == 8 * sizing.GIB  # the parent's limit is the tighter one
+    assert limits["memory_usage_bytes"] == sizing.GIB
+    assert sizing.probe(str(tree.root))["platform"]["container"] == "docker"
+
+
+def test_tree_cgroup_v1_cfs_quota(tree):
+    tree.cpus([[c] for c in range(4)])
+    tree.write("/proc/self/cgroup", "4:memory:/lxc/box\n3:cpu,cpuacct:/lxc/box\n2:cpuset:/lxc/box")
+    tree.write("/sys/fs/cgroup/cpu/lxc/box/cpu.cfs_quota_us", "150000")
+    tree.write("/sys/fs/cgroup/cpu/lxc/box/cpu.cfs_period_us", "100000")
+    tree.write("/sys/fs/cgroup/cpuset/lxc/box/cpuset.effective_cpus", "1-3")
+    tree.write("/sys/fs/cgroup/memory/lxc/box/memory.limit_in_bytes", "9223372036854771712")
+    limits = sizing.probe(str(tree.root))["limits"]
+    assert limits["cgroup_version"] == "v1"
+    assert (limits["cpu_quota"], limits["cpu_quota_cpus"]) == (1.5, 1)
+    assert limits["allowed_cpus"] == [1, 2, 3]
+    assert limits["memory_limit_bytes"] is None  # v1's "unlimited"
+
+
+def test_tree_wsl2(tree):
+    tree.cpus([[c] for c in range(8)])
+    tree.write("/proc/sys/kernel/osrelease", "5.15.167.4-microsoft-standard-WSL2")
+    platform = sizing.probe(str(tree.root))["platform"]
+    assert (platform["kind"], platform["wsl"], platform["wsl_version"], platform["vm"]) == ("wsl", True, 2, "microsoft")
+
+
+def test_tree_hybrid_cpu_atom_and_cpufreq(tree):
+    tree.cpus([[0, 1], [2, 3], [4], [5], [6], [7]])
+    tree.write("/sys/devices/cpu_atom/cpus", "4-7")
+    for cpu in range(8):
+        base = "/sys/devices/system/cpu/cpu%d/cpufreq" % cpu
+        tree.write(base + "/scaling_governor", "powersave" if cpu else "performance")
+        tree.write(base + "/scaling_available_governors", "performance powersave")
+        tree.write(base + "/scaling_driver", "intel_pstate")
+        tree.write(base + "/energy_performance_preference", "balance_performance")
+        tree.write(base + "/energy_performance_available_preferences", "default performance balance_performance")
+    facts = sizing.probe(str(tree.root))
+    assert facts["cpu"]["efficiency_cpus"] == [4, 5, 6, 7]
+    assert facts["cpu"]["physical_cores"] == 6
+    assert facts["cpufreq"]["governors"] == {"performance": [0], "powersave": [1, 2, 3, 4, 5, 6, 7]}
+    assert facts["cpufreq"]["driver"] == "intel_pstate"
+    assert "performance" in facts["cpufreq"]["available_energy_performance_preferences"]
+    result = sizing.plan(facts)
+    assert result["cores"]["usable"] == [0, 2]
+    assert result["knobs"]["energy_performance_preference"]["applies"] is True
+
+
+def test_tree_zram_and_swaps(tree):
+    tree.cpus([[0], [1]])
+    tree.write("/proc/swaps", "Filename\tType\tSize\tUsed\tPriority\n/dev/zram0 partition 4194300 0 100")
+    tree.write("/sys/block/zram0/disksize", str(4 * sizing.GIB))
+    tree.write("/sys/block/zram0/comp_algorithm", "lzo lzo-rle lz4 [zstd]")
+    tree.write("/sys/module/zram/uevent", "")
+    memory = sizing.probe(str(tree.root))["memory"]
+    assert memory["zram"] == {
+        "available": True,
+        "devices": [{"name": "zram0", "disksize_bytes": 4 * sizing.GIB, "algorithm": "zstd"}],
+    }
+    assert memory["swaps"] == [
+        {"name": "/dev/zram0", "type": "partition", "size_bytes": 4194300 * 1024, "priority": 100}
+    ]
+
+
+def test_cpu_list_round_trip():
+    assert sizing.parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert sizing.format_cpu_list([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+    assert sizing.parse_cpu_list("") == []

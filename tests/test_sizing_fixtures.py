@@ -1,0 +1,193 @@
+"""The planner on captured topologies: each asserts the plan and the reasons it gives."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from conftest import TOPOLOGIES, load_topology
+from vlserve import sizing
+
+ALL = sorted(p.stem for p in TOPOLOGIES.glob("*.json"))
+
+
+def test_at_least_ten_topologies():
+    assert len(ALL) >= 10, ALL
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_fixture_matches_facts_schema(name, facts_schema):
+    jsonschema.validate(load_topology(name), facts_schema)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_plan_matches_schema_and_every_section_says_why(name, plan_schema):
+    try:
+        result = sizing.plan(load_topology(name))
+    except sizing.PlanError as error:
+        result = {"schema": sizing.PLAN_SCHEMA, "error": str(error)}
+    jsonschema.validate(result, plan_schema)
+    if "error" not in result:
+        for section in ("model", "cores", "memory", "workers"):
+            assert result[section]["why"], section
+
+
+def workers_of(result):
+    return [(w["numa_node"], w["cpus"]) for w in result["worker_list"]]
+
+
+def test_xeon_gold_two_sockets_float32_five_threads_per_worker():
+    result = sizing.plan(load_topology("xeon-gold-6248r-2s"))
+    assert result["model"]["dtype"] == "float32"
+    assert "no AVX-512 BF16 or AMX" in result["model"]["why"]
+    # 32 physical cores, one housekeeping core per node: 15 per node -> 3 workers of 5 threads each.
+    assert result["cores"]["housekeeping"] == [0, 16]
+    assert result["workers"]["count"] == 6
+    assert result["workers"]["threads"] == [5] * 6
+    assert workers_of(result)[:3] == [(0, [1, 2, 3, 4, 5]), (0, [6, 7, 8, 9, 10]), (0, [11, 12, 13, 14, 15])]
+    assert {node for node, _ in workers_of(result)} == {0, 1}
+    assert result["workers"]["numa_bind"] is True
+    assert "memory allows 9" in result["workers"]["why"]
+    # SMT siblings (32-63) are never torch CPUs; each worker may use its own cores' siblings.
+    assert result["worker_list"][0]["sibling_cpus"] == [33, 34, 35, 36, 37]
+    assert result["knobs"]["cpu_governor"] == {
+        "value": "performance",
+        "applies": True,
+        "why": "steady clocks: ondemand/powersave ramp up too late for bursts",
+    }
+    assert result["knobs"]["energy_performance_preference"]["applies"] is True
+    assert result["knobs"]["swappiness"]["value"] == 10  # a disk swap partition exists
+    assert "swap on a disk" in result["knobs"]["swappiness"]["why"]
+
+
+def test_e5_2680v4_avx2_only():
+    result = sizing.plan(load_topology("xeon-e5-2680v4"))
+    assert result["model"]["dtype"] == "float32"
+    assert result["workers"]["threads"] == [5, 4, 4]
+    assert result["cores"]["usable"] == list(range(1, 14))
+    assert result["knobs"]["energy_performance_preference"]["applies"] is False
+    assert result["knobs"]["swappiness"]["value"] == 180  # zram will be the only swap
+    assert result["knobs"]["page_cluster"]["value"] == 0
+
+
+def test_small_laptop_shrinks_the_batch_and_takes_bfloat16_to_fit():
+    result = sizing.plan(load_topology("i7-11800h-laptop-8g"))
+    assert result["model"]["dtype"] == "bfloat16"
+    assert "float32 worker needs 12.4 GiB and 5.6 GiB is available" in result["model"]["why"]
+    assert result["model"]["max_batch_size"] == 1
+    assert "does not fit" in result["model"]["batch_why"]
+    assert result["workers"]["count"] == 1
+    assert result["worker_list"][0]["cpus"] == [1, 2, 3, 4, 5, 6, 7]
+    worker = result["worker_list"][0]
+    assert worker["memory_high_bytes"] <= result["memory"]["available_bytes"]
+
+
+def test_epyc_nps4_workers_never_span_nodes():
+    facts = load_topology("epyc-7763-2s-nps4")
+    result = sizing.plan(facts)
+    assert len(facts["cpu"]["numa_nodes"]) == 8
+    assert result["workers"]["count"] == 24
+    assert len(result["cores"]["housekeeping"]) == 8
+    node_of = {e["cpu"]: e["node"] for e in facts["cpu"]["topology"]}
+    for worker in result["worker_list"]:
+        assert {node_of[c] for c in worker["cpus"]} == {worker["numa_node"]}
+    assert sizing.plan(facts, sizing.Policy(objective="latency"))["workers"]["threads"] == [15] * 8
+
+
+def test_sapphire_rapids_amx_gives_bfloat16():
+    result = sizing.plan(load_topology("sapphire-rapids-amx"))
+    assert result["model"]["dtype"] == "bfloat16"
+    assert result["model"]["why"].startswith("the CPU has AMX")
+    assert result["workers"]["count"] == 13
+    assert sum(result["workers"]["threads"]) == 55
+    assert result["worker_list"][0]["environment"]["VLSERVE_DTYPE"] == "bfloat16"
+
+
+def test_hybrid_laptop_leaves_out_e_cores():
+    facts = load_topology("alder-lake-hybrid-laptop")
+    result = sizing.plan(facts)
+    assert facts["cpu"]["efficiency_cpus"] == list(range(6, 14))
+    assert "8 E-core CPUs left out" in result["cores"]["why"]
+    assert not set(result["cores"]["usable"]) & set(facts["cpu"]["efficiency_cpus"])
+    assert result["worker_list"][0]["cpus"] == [1, 2, 3, 4, 5]
+    assert result["worker_list"][0]["sibling_cpus"] == [15, 16, 17, 18, 19]
+    assert result["model"]["dtype"] == "bfloat16"  # float32 (12.4 GiB) does not fit in 11.9 GiB
+
+
+def test_wsl2_with_6_gib_cannot_run_and_says_how_to_fix_it():
+    with pytest.raises(sizing.PlanError, match=r"raise memory= in \.wslconfig"):
+        sizing.plan(load_topology("wsl2-8cpu-6g"))
+    # With the limit raised, it plans, and the host knobs that WSL lacks are "not applicable".
+    facts = load_topology("wsl2-8cpu-6g")
+    facts["memory"]["total_bytes"] = facts["memory"]["available_bytes"] = 12 * sizing.GIB
+    result = sizing.plan(facts)
+    knobs = result["knobs"]
+    assert knobs["wsl"]["applies"] is True
+    assert knobs["zram"]["applies"] is False and "wslconfig" in knobs["zram"]["why"]
+    assert knobs["cpu_governor"]["applies"] is False and "no cpufreq" in knobs["cpu_governor"]["why"]
+
+
+def test_container_quota_caps_threads_and_housekeeping_comes_from_the_idle_cpus():
+    result = sizing.plan(load_topology("container-quota-2.5-of-16"))
+    assert result["workers"]["count"] == 1
+    assert result["worker_list"][0]["cpus"] == [1, 2]
+    assert "CPU quota 2.50 caps it at 2" in result["cores"]["why"]
+    assert result["memory"]["available_why"] == "the cgroup memory limit minus its usage"
+    for name in ("cpu_governor", "zram", "swappiness", "page_cluster"):
+        assert result["knobs"][name]["applies"] is False, name
+
+
+def test_two_vcpu_cloud_vm_one_thread_and_no_cpufreq():
+    result = sizing.plan(load_topology("cloud-vm-2vcpu"))
+    assert result["worker_list"][0]["cpus"] == [0]
+    assert result["worker_list"][0]["sibling_cpus"] == [1]
+    assert result["worker_list"][0]["environment"]["OMP_NUM_THREADS"] == "1"
+    assert result["model"]["dtype"] == "bfloat16"
+    assert result["model"]["max_batch_size"] == 2
+    assert result["knobs"]["cpu_governor"]["applies"] is False
+    assert "no cpufreq here (amazon)" in result["knobs"]["cpu_governor"]["why"]
+    assert result["knobs"]["zram"]["applies"] is True
+
+
+def test_this_machine_capture():
+    result = sizing.plan(load_topology("this-machine"))
+    assert result["model"]["dtype"] == "bfloat16"
+    assert result["worker_list"][0]["cpus"] == [0, 1]
+    assert result["worker_list"][0]["environment"]["OMP_PLACES"] == "{0},{1}"
+    assert "fewer than 4 cores" in result["cores"]["why"]
+
+
+def test_policy_overrides_are_honoured_and_reported():
+    facts = load_topology("xeon-gold-6248r-2s")
+    result = sizing.plan(facts, sizing.Policy(max_workers=2, dtype="bfloat16", housekeeping_cores=0, swappiness=30))
+    assert result["workers"]["count"] == 2
+    assert "max_workers caps at 2" in result["workers"]["why"]
+    assert [w["numa_node"] for w in result["worker_list"]] == [0, 1]  # balanced across nodes
+    assert result["workers"]["threads"] == [16, 16]
+    assert result["model"]["why"] == "set by policy"
+    assert result["knobs"]["swappiness"] == {"value": 30, "applies": True, "why": "set by policy"}
+
+
+def test_allowed_cpus_outside_the_host_are_refused():
+    with pytest.raises(ValueError, match="allowed_cpus has CPUs 7 that this host does not allow"):
+        sizing.plan(load_topology("this-machine"), sizing.Policy(allowed_cpus=[0, 7]))
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"objective": "fastest"}, "objective must be throughput or latency"),
+        ({"swappiness": 500}, "swappiness must be empty or an integer from 0 to 200"),
+        ({"zram_fraction": "lots"}, "zram_fraction must be a number"),
+        ({"allowed_cpus": "0-x"}, "allowed_cpus must be a CPU list"),
+        ({"nonsense": 1}, "unknown policy fields: nonsense"),
+    ],
+)
+def test_bad_policy_values_are_named(values, message):
+    with pytest.raises(ValueError, match=message):
+        sizing.Policy.from_mapping(values)
+
+
+def test_policy_from_text_values_as_extra_vars_give_them():
+    policy = sizing.Policy.from_mapping({"max_workers": "3", "zram_fraction": "0.25", "allowed_cpus": "0-3,8"})
+    assert (policy.max_workers, policy.zram_fraction, policy.allowed_cpus) == (3, 0.25, [0, 1, 2, 3, 8])

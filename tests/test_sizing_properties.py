@@ -1,0 +1,154 @@
+"""Properties of the planner over generated topologies (hypothesis)."""
+
+from __future__ import annotations
+
+import copy
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from topology_builder import build_facts
+from vlserve import sizing
+
+ISA_SETS = [
+    (),
+    ("avx2",),
+    ("avx2", "avx512f", "avx512_vnni"),
+    ("avx2", "avx512f", "avx512_bf16"),
+    ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"),
+]
+
+
+@st.composite
+def hosts(draw):
+    sockets = draw(st.integers(1, 4))
+    nodes_per_socket = draw(st.sampled_from([1, 2, 4]))
+    cores_per_socket = nodes_per_socket * draw(st.integers(1, 24))
+    threads = draw(st.sampled_from([1, 2]))
+    physical = sockets * cores_per_socket
+    efficiency = draw(st.integers(0, physical - 1)) if sockets == 1 and draw(st.booleans()) else 0
+    total = draw(st.floats(2, 1024))
+    facts = build_facts(
+        hostname="generated",
+        model_name="generated",
+        sockets=sockets,
+        cores_per_socket=cores_per_socket,
+        threads_per_core=threads,
+        nodes_per_socket=nodes_per_socket,
+        efficiency_cores=efficiency,
+        isa=draw(st.sampled_from(ISA_SETS)),
+        total_gib=total,
+        available_gib=total * draw(st.floats(0.1, 0.98)),
+        cpu_quota=draw(st.none() | st.floats(0.5, physical * threads)),
+        cpufreq=draw(st.sampled_from([None, "intel_pstate", "acpi-cpufreq"])),
+    )
+    cpus = [e["cpu"] for e in facts["cpu"]["topology"]]
+    allowed = draw(st.none() | st.lists(st.sampled_from(cpus), min_size=1, unique=True))
+    if allowed is not None:
+        facts["limits"]["allowed_cpus"] = facts["limits"]["affinity"] = sorted(allowed)
+        facts["limits"]["cgroup_cpuset"] = sorted(allowed)
+    return facts
+
+
+policies = st.builds(
+    sizing.Policy,
+    objective=st.sampled_from(["throughput", "latency"]),
+    min_threads_per_worker=st.integers(1, 16),
+    max_workers=st.none() | st.integers(1, 64),
+    housekeeping_cores=st.none() | st.integers(0, 3),
+    max_batch_size=st.integers(1, 16),
+    max_context_tokens=st.sampled_from([2048, 4096, 32768]),
+)
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def plan_or_none(facts, policy):
+    try:
+        return sizing.plan(facts, policy)
+    except sizing.PlanError:
+        return None
+
+
+@SETTINGS
+@given(hosts(), policies)
+def test_threads_never_exceed_usable_physical_cores(facts, policy):
+    result = plan_or_none(facts, policy)
+    if result is None:
+        return
+    threads = sum(w["threads"] for w in result["worker_list"])
+    assert threads == sum(len(w["cpus"]) for w in result["worker_list"])
+    assert threads <= len(result["cores"]["usable"])
+    quota = facts["limits"]["cpu_quota_cpus"]
+    if quota is not None:
+        assert threads <= quota
+    # One logical CPU per physical core, never an E-core, never outside the allowed set.
+    core_of = {e["cpu"]: tuple(e["core_cpus"]) for e in facts["cpu"]["topology"]}
+    torch_cpus = [c for w in result["worker_list"] for c in w["cpus"]]
+    assert len({core_of[c] for c in torch_cpus}) == len(torch_cpus)
+    assert not set(torch_cpus) & set(facts["cpu"]["efficiency_cpus"])
+    assert set(torch_cpus) <= set(facts["limits"]["allowed_cpus"])
+
+
+@SETTINGS
+@given(hosts(), policies)
+def test_worker_memory_never_exceeds_the_budget(facts, policy):
+    result = plan_or_none(facts, policy)
+    if result is None:
+        return
+    memory = result["memory"]
+    count = result["workers"]["count"]
+    assert count * memory["per_worker"]["high_bytes"] <= memory["available_bytes"]
+    assert memory["available_bytes"] + memory["reserve_bytes"] <= max(
+        facts["memory"]["available_bytes"], facts["memory"]["total_bytes"]
+    )
+    assert result["model"]["max_batch_size"] <= policy.max_batch_size
+    assert result["model"]["max_context_tokens"] <= policy.max_context_tokens
+
+
+@SETTINGS
+@given(hosts(), policies)
+def test_no_worker_spans_numa_nodes_and_cpu_lists_are_disjoint(facts, policy):
+    result = plan_or_none(facts, policy)
+    if result is None:
+        return
+    node_of = {e["cpu"]: e["node"] for e in facts["cpu"]["topology"]}
+    seen = set()
+    for worker in result["worker_list"]:
+        assert {node_of[c] for c in worker["cpus"]} == {worker["numa_node"]}
+        mine = set(worker["cpus"]) | set(worker["sibling_cpus"])
+        assert not mine & seen
+        seen |= mine
+    if policy.objective == "latency":
+        nodes = [w["numa_node"] for w in result["worker_list"]]
+        assert len(nodes) == len(set(nodes))
+    ports = [w["port"] for w in result["worker_list"]]
+    assert len(set(ports)) == len(ports)
+
+
+@SETTINGS
+@given(hosts(), policies)
+def test_plan_is_deterministic_and_does_not_touch_its_input(facts, policy):
+    before = copy.deepcopy(facts)
+    first = plan_or_none(facts, policy)
+    assert facts == before
+    assert plan_or_none(copy.deepcopy(facts), policy) == first
+
+
+@SETTINGS
+@given(hosts(), policies)
+def test_infeasible_only_when_one_minimal_worker_does_not_fit(facts, policy):
+    try:
+        sizing.plan(facts, policy)
+    except sizing.PlanError as error:
+        text = str(error)
+        assert "add memory" in text or "no usable core" in text
+        if "add memory" in text:
+            budget = sizing._plan_memory_budget(facts["memory"], facts["limits"], policy)
+            smallest = sizing.worker_memory(
+                sizing.FOOTPRINTS[policy.model],
+                "bfloat16",
+                1,
+                min(policy.max_context_tokens, sizing.MIN_CONTEXT_TOKENS),
+            )
+            assert smallest["high_bytes"] > budget["available_bytes"]
