@@ -1227,9 +1227,17 @@ def render_plan(result: dict[str, Any]) -> str:
     for name, knob in result["knobs"].items():
         value = knob["value"]
         if isinstance(value, dict):
-            value = ", ".join("%s=%s" % (k, format_cpu_list(v) if isinstance(v, list) else v) for k, v in value.items())
+            value = ", ".join("%s=%s" % (k.removesuffix("_bytes"), _knob_value(k, v)) for k, v in value.items())
         rows.append((name, "%s  [%s] %s" % (value, "applies" if knob["applies"] else "n/a", knob["why"])))
     return _table(rows)
+
+
+def _knob_value(key: str, value: Any) -> str:
+    if key.endswith("_bytes"):
+        return _gib(value)
+    if isinstance(value, list):
+        return format_cpu_list(value) or "none"
+    return str(value)
 
 
 def _table(rows) -> str:

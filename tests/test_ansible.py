@@ -1,0 +1,146 @@
+"""The playbooks and roles: lint, argument specs against the planner, and the audit on localhost.
+
+Only read-only plays run against this machine (the facts role and the audit, which refuses to
+run without --check); the tuning roles are tested on throwaway systemd hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import typing
+
+import pytest
+import yaml
+
+from conftest import REPO, TOPOLOGIES, VENV_BIN
+from vlserve import sizing
+
+ENV = dict(
+    os.environ, PATH="%s:%s" % (VENV_BIN, os.environ.get("PATH", "")), ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0"
+)
+
+
+def playbook(*args, check=True):
+    command = [str(VENV_BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", *args]
+    if check:
+        command.append("--check")
+    return subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_ansible_lint_production_profile():
+    result = subprocess.run(
+        [str(VENV_BIN / "ansible-lint"), "--profile", "production"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def role_names():
+    return sorted(p.name for p in (REPO / "roles").iterdir() if (p / "tasks").is_dir())
+
+
+@pytest.mark.parametrize("role", role_names())
+def test_every_role_variable_is_prefixed_specified_and_defaulted_alike(role):
+    defaults = yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text()) or {}
+    specs = yaml.safe_load((REPO / "roles" / role / "meta" / "argument_specs.yml").read_text())
+    options = specs["argument_specs"]["main"]["options"]
+    assert set(defaults) == set(options), "defaults/main.yml and argument_specs.yml list different variables"
+    for name, option in options.items():
+        assert name.startswith(role + "_"), name
+        assert option.get("description"), name
+        assert option.get("default") == defaults[name], name
+
+
+def test_facts_role_specs_mirror_the_sizing_policy():
+    options = yaml.safe_load((REPO / "roles/vlserve_facts/meta/argument_specs.yml").read_text())["argument_specs"][
+        "main"
+    ]["options"]
+    hints = typing.get_type_hints(sizing.Policy)
+    kinds = {int: "int", float: "float", str: "str"}
+    for field in dataclasses.fields(sizing.Policy):
+        option = options["vlserve_facts_" + field.name]
+        base = [a for a in typing.get_args(hints[field.name]) if a is not type(None)] or [hints[field.name]]
+        assert option["type"] == kinds.get(base[0], "raw"), field.name
+        assert option.get("default") == field.default, field.name
+        assert option["description"] == field.metadata["help"], field.name
+
+
+def etc_state():
+    """Size, mtime and content hash of every regular file under /etc."""
+    state = {}
+    for path in pathlib.Path("/etc").rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file() and not path.is_symlink():
+                info = path.stat()
+                state[str(path)] = (info.st_size, info.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+    return state
+
+
+def test_audit_on_localhost_shows_the_plan_and_changes_nothing():
+    before = etc_state()
+    result = playbook("playbooks/audit.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "changed=0" in result.stdout and "failed=0" in result.stdout
+    plan = json.loads(
+        subprocess.run([str(VENV_BIN / "vlserve"), "plan", "--json"], capture_output=True, text=True, check=True).stdout
+    )
+    assert "worker 0" in result.stdout
+    assert "%d  (" % plan["workers"]["count"] in result.stdout  # the same planner on both paths
+    assert etc_state() == before
+
+
+def test_audit_refuses_to_run_without_check():
+    result = playbook("playbooks/audit.yml", check=False)
+    assert result.returncode != 0
+    assert "must run with --check" in result.stdout
+
+
+def test_audit_reports_an_infeasible_host_instead_of_failing():
+    facts = json.loads((TOPOLOGIES / "wsl2-8cpu-6g.json").read_text())
+    result = playbook("playbooks/audit.yml", "-e", json.dumps({"vlserve_facts_captured": facts}))
+    assert result.returncode == 0, result.stdout
+    assert "no plan: one Qwen3-VL-2B-Instruct worker needs" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"vlserve_facts_swappiness": 500}, "vlserve_facts_swappiness must be empty or an integer from 0 to 200"),
+        ({"vlserve_facts_zram_fraction": "lots"}, "vlserve_facts_zram_fraction"),
+        ({"vlserve_facts_objective": "fastest"}, "vlserve_facts_objective"),
+        ({"vlserve_facts_allowed_cpus": "0-4095"}, "vlserve_facts_allowed_cpus has CPUs"),
+    ],
+)
+def test_bad_inventory_values_fail_before_anything_runs_and_name_the_variable(extra, message):
+    result = playbook("site.yml", "-e", json.dumps(extra))
+    assert result.returncode != 0
+    assert message in result.stdout
+    assert "changed=0" in result.stdout
+
+
+def test_site_sizes_the_host_in_check_mode():
+    result = playbook("site.yml")
+    assert result.returncode == 0, result.stdout
+    assert "changed=0" in result.stdout
+
+
+def test_readme_role_variables_match_the_argument_specs():
+    result = subprocess.run(
+        [str(VENV_BIN / "python"), "scripts/role-docs", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
