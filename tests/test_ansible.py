@@ -10,39 +10,22 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
-import subprocess
 import typing
 
 import pytest
 import yaml
 
-from conftest import REPO, TOPOLOGIES, VENV_BIN
+from conftest import REPO, TOPOLOGIES, run_tool
 from vlserve import sizing
-
-ENV = dict(
-    os.environ, PATH="%s:%s" % (VENV_BIN, os.environ.get("PATH", "")), ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0"
-)
 
 
 def playbook(*args, check=True):
-    command = [str(VENV_BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", *args]
-    if check:
-        command.append("--check")
-    return subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, check=False)
+    return run_tool("ansible-playbook", "-i", "localhost,", "-c", "local", *args, *(["--check"] if check else []))
 
 
 def test_ansible_lint_production_profile():
-    result = subprocess.run(
-        [str(VENV_BIN / "ansible-lint"), "--profile", "production"],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    result = run_tool("ansible-lint", "--profile", "production", timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -92,9 +75,7 @@ def test_audit_on_localhost_shows_the_plan_and_changes_nothing():
     result = playbook("playbooks/audit.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "changed=0" in result.stdout and "failed=0" in result.stdout
-    plan = json.loads(
-        subprocess.run([str(VENV_BIN / "vlserve"), "plan", "--json"], capture_output=True, text=True, check=True).stdout
-    )
+    plan = json.loads(run_tool("vlserve", "plan", "--json").stdout)
     assert "worker 0" in result.stdout
     assert "%d  (" % plan["workers"]["count"] in result.stdout  # the same planner on both paths
     assert etc_state() == before
@@ -136,11 +117,5 @@ def test_site_sizes_the_host_in_check_mode():
 
 
 def test_readme_role_variables_match_the_argument_specs():
-    result = subprocess.run(
-        [str(VENV_BIN / "python"), "scripts/role-docs", "--check"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = run_tool("python", "scripts/role-docs", "--check")
     assert result.returncode == 0, result.stderr

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import jsonschema
 import pytest
 
-from conftest import TOPOLOGIES, VENV_BIN
+from conftest import TOPOLOGIES, run_tool
 
 ALL = sorted(TOPOLOGIES.glob("*.json"))
 INFEASIBLE = {"wsl2-8cpu-6g"}
 
 
 def vlserve(*args):
-    return subprocess.run([str(VENV_BIN / "vlserve"), *args], capture_output=True, text=True, timeout=120, check=False)
+    return run_tool("vlserve", *args, timeout=120)
 
 
 def test_probe_json_here_follows_the_schema(facts_schema):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from conftest import REPO, VENV_BIN
+from conftest import run_tool
 
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])
 def test_ruff(args):
-    result = subprocess.run([str(VENV_BIN / "ruff"), *args], cwd=REPO, capture_output=True, text=True, check=False)
+    result = run_tool("ruff", *args)
     assert result.returncode == 0, result.stdout + result.stderr
