@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import types
 import typing
 from dataclasses import fields
 
@@ -87,6 +89,94 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings_flag(parser: argparse._ArgumentGroup, name: str, info) -> None:
+    """One flag for a settings field: its type, choices and description come from the model."""
+    base = info.annotation
+    if typing.get_origin(base) in (typing.Union, types.UnionType):  # X | None: the flag takes an X
+        base = next(a for a in typing.get_args(base) if a is not type(None))
+    env = "VLSERVE_" + name.upper()
+    default = info.default if info.default_factory is None else info.default_factory()
+    shown = "" if default is None or (isinstance(default, list) and not default) else " (default: %s)" % default
+    text = "%s%s [env %s]" % (info.description, shown, env)
+    flag = "--" + name.replace("_", "-")
+    if base is bool:
+        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+    elif typing.get_origin(base) is typing.Literal:
+        parser.add_argument(flag, dest=name, choices=typing.get_args(base), default=None, help=text)
+    elif typing.get_origin(base) is list:
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=lambda value: [v for v in value.split(",") if v],
+            default=None,
+            metavar="A,B",
+            help=text,
+        )
+    else:
+        kind = {int: int, float: float}.get(base, str)
+        parser.add_argument(flag, dest=name, type=kind, default=None, metavar=name.upper(), help=text)
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    from vlserve.settings import SETTINGS_MODELS  # noqa: PLC0415 - pydantic only for the service commands
+
+    for model in SETTINGS_MODELS:
+        group = parser.add_argument_group(model.__name__.removesuffix("Settings").lower() + " settings")
+        for name, info in model.model_fields.items():
+            _settings_flag(group, name, info)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import pydantic  # noqa: PLC0415
+
+    from vlserve.settings import SETTINGS_MODELS, Settings  # noqa: PLC0415
+
+    try:
+        parts = [
+            model(**{name: getattr(args, name) for name in model.model_fields if getattr(args, name) is not None})
+            for model in SETTINGS_MODELS
+        ]
+    except pydantic.ValidationError as error:
+        print("vlserve serve: invalid settings:\n%s" % error, file=sys.stderr)
+        return 2
+    settings = Settings(*parts)
+    logging.basicConfig(level=settings.server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from vlserve.engine import ModelDirectoryError, check_model_directory  # noqa: PLC0415
+
+    try:
+        check_model_directory(settings.model.model)
+    except ModelDirectoryError as error:
+        logging.getLogger("vlserve").error("cannot start: %s", error)
+        from vlserve import notify  # noqa: PLC0415
+
+        notify.status("cannot start: %s" % error)
+        return 1
+    import uvicorn  # noqa: PLC0415
+
+    from vlserve.app import create_app  # noqa: PLC0415
+
+    holder: dict = {}
+    app = create_app(settings, on_fatal=lambda message: setattr(holder["server"], "should_exit", True))
+    config = uvicorn.Config(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        timeout_graceful_shutdown=30,
+    )
+    holder["server"] = server = uvicorn.Server(config)
+    server.run()
+    return 1 if app.state.fatal else 0
+
+
+def cmd_make_test_model(args: argparse.Namespace) -> int:
+    from vlserve.testmodel import make_test_model  # noqa: PLC0415
+
+    path = make_test_model(args.directory, size=args.size, seed=args.seed, dtype=args.dtype)
+    print("wrote a %s Qwen3-VL test checkpoint with random weights to %s" % (args.size, path))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlserve", description=__doc__)
     parser.add_argument("--version", action="version", version="vlserve " + __version__)
@@ -104,6 +194,33 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON (schema %s)" % sizing.PLAN_SCHEMA)
     _add_policy_flags(plan)
     plan.set_defaults(handler=cmd_plan)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run one inference worker (OpenAI-compatible HTTP API)",
+        description="Every setting is also an environment variable (VLSERVE_<NAME>); flags win.",
+    )
+    _add_settings_flags(serve)
+    serve.set_defaults(handler=cmd_serve)
+
+    test_model = commands.add_parser(
+        "make-test-model", help="write a Qwen3-VL checkpoint with random weights, offline (tests, benchmarks)"
+    )
+    test_model.add_argument("directory", help="where to write it")
+    test_model.add_argument(
+        "--size",
+        choices=("tiny", "real"),
+        default="tiny",
+        help="tiny: ~1 MB for tests; real: the Qwen3-VL-2B-Instruct shape, ~4.3 GB (default: tiny)",
+    )
+    test_model.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: 0)")
+    test_model.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="dtype of the saved weights (default: bfloat16, as the real checkpoint)",
+    )
+    test_model.set_defaults(handler=cmd_make_test_model)
     return parser
 
 

@@ -181,7 +181,7 @@ def _probe_cpu(tree: _Tree, libraries: bool, sources: dict[str, str]) -> dict[st
                 flags = set(info.get("flags") or [])
                 sources["isa"] = "py-cpuinfo"
             sources["cpu_model"] = "py-cpuinfo"
-        except Exception:
+        except Exception:  # noqa: BLE001 - py-cpuinfo missing or failing: /proc/cpuinfo stands
             sources["cpu_model"] = "/proc/cpuinfo"
     else:
         sources["cpu_model"] = "/proc/cpuinfo"
@@ -1001,11 +1001,24 @@ def _plan_memory_budget(memory: dict[str, Any], limits: dict[str, Any], policy: 
     }
 
 
+def native_bfloat16(cpu: dict[str, Any]) -> bool:
+    """Whether the CPU computes bfloat16 natively (AVX-512 BF16 or AMX), so bf16 is the faster dtype."""
+    return bool(cpu["isa"].get("avx512_bf16") or cpu["isa"].get("amx_bf16"))
+
+
+def default_threads(facts: dict[str, Any]) -> int:
+    """Torch threads for one process on its own: the physical cores it may use, capped by the CPU quota."""
+    allowed = set(facts["limits"]["allowed_cpus"])
+    cores = {tuple(e["core_cpus"]) for e in facts["cpu"]["topology"] if e["cpu"] in allowed}
+    quota = facts["limits"].get("cpu_quota_cpus")
+    return max(1, min(len(cores), quota) if quota else len(cores))
+
+
 def _plan_dtype(cpu: dict[str, Any], footprint: ModelFootprint, policy: Policy, available: int):
     isa = cpu["isa"]
     if policy.dtype != "auto":
         return policy.dtype, "set by policy"
-    if isa.get("avx512_bf16") or isa.get("amx_bf16"):
+    if native_bfloat16(cpu):
         which = "AMX" if isa.get("amx_bf16") else "AVX-512 BF16"
         return "bfloat16", "the CPU has %s: half the memory traffic per token" % which
     as_float32 = worker_memory(footprint, "float32", policy.max_batch_size, policy.max_context_tokens)

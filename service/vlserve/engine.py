@@ -1,0 +1,697 @@
+"""The engine: loads Qwen3-VL once and owns it; one scheduler thread runs every forward pass.
+
+Knows nothing of HTTP. Requests come in as a prepared prompt (`Engine.prepare`, safe to call from
+any thread: tokenization and image preprocessing only) and sampling parameters; results go out
+through a `Sink` whose methods the scheduler calls as tokens arrive.
+
+Scheduling is continuous batching: waiting requests are prefilled as a group and join the
+running batch between decode steps; a request that finishes, is cancelled or runs out of time
+leaves it at once (see batch.py). On a memory-bound CPU a decode step costs about the same for 1
+to 8 sequences in bfloat16, so batching multiplies throughput.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+import torch
+from PIL import Image
+
+from vlserve import sizing
+from vlserve.batch import BatchState
+from vlserve.caches import LRUCache
+from vlserve.metrics import Metrics
+from vlserve.sampling import SamplingParams, next_tokens
+from vlserve.settings import LimitSettings, ModelSettings
+
+log = logging.getLogger(__name__)
+
+
+# --- Errors the engine raises; the HTTP layer maps each to a status code. --------------------
+
+
+class EngineError(Exception):
+    """Base of the engine's errors; `code` is machine-readable, the message is for people."""
+
+    code = "engine_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidRequest(EngineError):
+    code = "invalid_request"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class NotReady(EngineError):
+    code = "not_ready"
+
+
+class Overloaded(EngineError):
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class MemoryPressure(Overloaded):
+    code = "memory_pressure"
+
+
+class RequestTimeout(EngineError):
+    code = "timeout"
+
+
+class EngineFailure(EngineError):
+    code = "engine_failure"
+
+
+class ModelDirectoryError(EngineError):
+    code = "model_directory"
+
+
+# --- What goes in and out. ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    image: Image.Image
+    key: str  # sha256 of the encoded bytes: the vision cache's key
+
+
+@dataclass
+class Prompt:
+    input_ids: torch.Tensor  # [T]
+    mm_token_type_ids: torch.Tensor  # [T]
+    pixel_values: torch.Tensor | None  # [patches, features], all images in order
+    image_grid_thw: torch.Tensor | None  # [images, 3]
+    image_keys: list[str]
+    cache_key: str  # identifies the prompt (tokens and image bytes) for the result cache
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Sink(Protocol):
+    """Receives one request's output; called from the scheduler thread (or from submit on a cache hit)."""
+
+    def on_text(self, text: str) -> None: ...
+
+    def on_finish(self, reason: str, usage: Usage) -> None: ...
+
+    def on_error(self, error: EngineError) -> None: ...
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: Prompt
+    params: SamplingParams
+    sink: Sink
+    submitted: float
+    deadline: float
+    use_result_cache: bool
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0
+    first_token_at: float | None = None
+    cancelled: bool = False
+    done: bool = False
+
+    def cancel(self) -> None:
+        """Called from any thread: the scheduler drops the sequence before its next step."""
+        self.cancelled = True
+
+
+# --- The engine. ----------------------------------------------------------------------------
+
+
+def check_model_directory(path: Path) -> None:
+    """Fail fast, with a message that says what is wrong, before anything is loaded."""
+    if not path.is_dir():
+        raise ModelDirectoryError("model directory %s does not exist" % path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelDirectoryError("%s has no config.json: not a Hugging Face checkpoint" % path)
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelDirectoryError("%s is unreadable: %s" % (config_path, error)) from None
+    if config.get("model_type") != "qwen3_vl":
+        raise ModelDirectoryError("%s is a %r model, not qwen3_vl" % (path, config.get("model_type")))
+    if not any(path.glob("*.safetensors")):
+        raise ModelDirectoryError("%s has no *.safetensors weights" % path)
+
+
+class Engine:
+    def __init__(self, model: ModelSettings, limits: LimitSettings, metrics: Metrics | None = None):
+        self.model_settings = model
+        self.limits = limits
+        self.metrics = metrics or Metrics()
+        self.state = "created"  # created -> loading -> warming -> ready | failed; stopped
+        self.model = None
+        self.processor = None
+        self.dtype: str | None = None
+        self.threads: int | None = None
+        self.result_cache = LRUCache(limits.result_cache_entries)
+        self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=_feature_bytes)
+        self._queue: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._batch: BatchState | None = None
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._memory_limit = limits.memory_limit_bytes if limits.memory_limit_bytes else _cgroup_memory_limit()
+        self._process = psutil.Process()
+        self.metrics.bind_engine(self)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def load(self, status: Callable[[str], None] = lambda message: None) -> None:
+        """Load the processor and the model from the local directory, then start the scheduler."""
+        from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415 - slow import, loaded once
+
+        from vlserve.processor import load_processor  # noqa: PLC0415
+
+        self.state = "loading"
+        path = Path(self.model_settings.model)
+        check_model_directory(path)
+        facts = sizing.probe(use_libraries=False)
+        self.threads = self.model_settings.threads or sizing.default_threads(facts)
+        torch.set_num_threads(self.threads)
+        if self.model_settings.dtype == "auto":
+            self.dtype = "bfloat16" if sizing.native_bfloat16(facts["cpu"]) else "float32"
+        else:
+            self.dtype = self.model_settings.dtype
+        status("loading processor from %s" % path)
+        processor = load_processor(path)
+        processor.image_processor.size = {
+            "shortest_edge": self.model_settings.min_pixels,
+            "longest_edge": self.model_settings.max_pixels,
+        }
+        status("loading %s weights (%d threads)" % (self.dtype, self.threads))
+        started = time.monotonic()
+        model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, self.dtype))
+        model.eval()
+        self.processor, self.model = processor, model
+        tokenizer = processor.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+        self.eos_ids.discard(None)
+        log.info(
+            "loaded %s in %.1f s: %s, %d threads, %.2f B parameters",
+            path,
+            time.monotonic() - started,
+            self.dtype,
+            self.threads,
+            sum(p.numel() for p in model.parameters()) / 1e9,
+        )
+        self._thread = threading.Thread(target=self._run, name="vlserve-scheduler", daemon=True)
+        self._thread.start()
+
+    def warmup(self, status: Callable[[str], None] = lambda message: None) -> None:
+        """One short request through every stage (vision encoder, prefill, decode), caches bypassed."""
+        self.state = "warming"
+        status("warming up")
+        started = time.monotonic()
+        image = Image.linear_gradient("L").resize((64, 64)).convert("RGB")
+        prompt = self.prepare(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": ImageInput(image, "warmup")},
+                        {"type": "text", "text": "Describe."},
+                    ],
+                }
+            ]
+        )
+        waiter = _WaitingSink()
+        self.submit(prompt, SamplingParams(max_tokens=2), waiter, use_caches=False, allow_unready=True)
+        waiter.wait(self.limits.request_timeout_s)
+        log.info("warm-up done in %.1f s", time.monotonic() - started)
+
+    def mark_ready(self) -> None:
+        self.state = "ready"
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        with self._wakeup:
+            self._wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for seq in list(self._queue) + self._running:
+            self._fail(seq, NotReady("the server is shutting down"))
+        self._queue.clear()
+        self._running.clear()
+        self.state = "stopped"
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def prepare(self, messages: list[dict[str, Any]]) -> Prompt:
+        """Chat template, tokens and image patches for one conversation; no model involved.
+
+        `messages`: [{"role", "content": str | [{"type": "text", "text"}, {"type": "image", "image": ImageInput}]}].
+        """
+        if self.processor is None:
+            raise NotReady("the model is still loading")
+        template_messages, images = [], []
+        for message in messages:
+            content = message["content"]
+            if isinstance(content, str):
+                template_messages.append({"role": message["role"], "content": content})
+                continue
+            parts = []
+            for part in content:
+                if part["type"] == "image":
+                    images.append(part["image"])
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part["text"]})
+            template_messages.append({"role": message["role"], "content": parts})
+        if len(images) > self.limits.max_images_per_request:
+            raise InvalidRequest(
+                "%d images in one request; the limit is %d" % (len(images), self.limits.max_images_per_request),
+                param="messages",
+            )
+        try:
+            text = self.processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+            encoded = self.processor(text=[text], images=[i.image for i in images] or None, return_tensors="pt")
+        except ValueError as error:  # e.g. an aspect ratio the processor refuses (over 200:1)
+            raise InvalidRequest("the request could not be processed: %s" % error, param="messages") from None
+        input_ids = encoded["input_ids"][0]
+        keys = [i.key for i in images]
+        digest = hashlib.sha256(input_ids.numpy().tobytes())
+        for key in keys:
+            digest.update(key.encode())
+        return Prompt(
+            input_ids=input_ids,
+            mm_token_type_ids=encoded["mm_token_type_ids"][0],
+            pixel_values=encoded.get("pixel_values"),
+            image_grid_thw=encoded.get("image_grid_thw"),
+            image_keys=keys,
+            cache_key=digest.hexdigest(),
+        )
+
+    def sampling_defaults(self) -> dict[str, float]:
+        """Temperature and top-p when a request gives none: the checkpoint's generation_config, as vLLM does."""
+        config = self.model.generation_config
+        if not config.do_sample:
+            return {"temperature": 0.0, "top_p": 1.0}
+        return {"temperature": float(config.temperature or 1.0), "top_p": float(config.top_p or 1.0)}
+
+    def resolve_max_tokens(self, prompt: Prompt, requested: int | None) -> int:
+        room = self.limits.max_context_tokens - prompt.tokens
+        if room < 1:
+            raise ContextLengthExceeded(
+                "the prompt has %d tokens; this server's context is %d tokens"
+                % (prompt.tokens, self.limits.max_context_tokens),
+                param="messages",
+            )
+        if requested is None:
+            return min(self.limits.max_tokens_default, room)
+        if requested > room:
+            raise ContextLengthExceeded(
+                "max_tokens %d plus the prompt's %d tokens exceed this server's context of %d tokens"
+                % (requested, prompt.tokens, self.limits.max_context_tokens),
+                param="max_tokens",
+            )
+        return requested
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams, sink: Sink, use_caches: bool = True, allow_unready: bool = False
+    ) -> Sequence:
+        """Queue a request. Raises NotReady, Overloaded or MemoryPressure instead of accepting work it cannot do."""
+        if not self.ready and not allow_unready:
+            raise NotReady("the model is %s" % self.state)
+        now = time.monotonic()
+        seq = Sequence(
+            prompt=prompt,
+            params=params,
+            sink=sink,
+            submitted=now,
+            deadline=now + self.limits.request_timeout_s,
+            use_result_cache=use_caches and params.greedy,
+        )
+        if seq.use_result_cache:
+            cached = self.result_cache.get(self._result_key(seq))
+            self.metrics.cache_lookup("result", cached is not None)
+            if cached is not None:
+                text, reason, completion = cached
+                sink.on_text(text)
+                sink.on_finish(reason, Usage(prompt.tokens, completion))
+                seq.done = True
+                return seq
+        rss = self._process.memory_info().rss
+        if self._memory_limit and rss > self._memory_limit:
+            raise MemoryPressure(
+                "resident memory %.1f GiB is over the limit of %.1f GiB; try again shortly"
+                % (rss / 2**30, self._memory_limit / 2**30),
+                retry_after=5,
+            )
+        with self._wakeup:
+            if len(self._queue) >= self.limits.max_queue + max(0, self.limits.max_batch_size - len(self._running)):
+                raise Overloaded("%d requests are waiting; try again shortly" % len(self._queue), retry_after=2)
+            self._queue.append(seq)
+            self._wakeup.notify()
+        return seq
+
+    def _result_key(self, seq: Sequence) -> str:
+        return "%s|%d|%s|%s" % (
+            seq.prompt.cache_key,
+            seq.params.max_tokens,
+            json.dumps(list(seq.params.stop)),
+            seq.params.ignore_eos,
+        )
+
+    # -- the scheduler thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            while not self._stopping:
+                with self._wakeup:
+                    if not self._queue and not self._running:
+                        self._wakeup.wait(timeout=0.5)
+                        continue
+                    admitted = self._admit()
+                try:
+                    if admitted:
+                        self._prefill(admitted)
+                    self._drop_cancelled()
+                    if self._running:
+                        self._decode_step()
+                except Exception as error:
+                    log.exception("model step failed")
+                    for seq in admitted + self._running:
+                        self._fail(seq, EngineFailure("the model failed: %s" % error))
+                    self._running, self._batch = [], None
+                self.metrics.queue_depth.set(len(self._queue))
+                self.metrics.batch_size.set(len(self._running))
+
+    def _admit(self) -> list[Sequence]:
+        """Take waiting requests into free batch slots; expire those that waited past their deadline."""
+        now = time.monotonic()
+        admitted = []
+        while self._queue and len(self._running) + len(admitted) < self.limits.max_batch_size:
+            seq = self._queue.popleft()
+            if seq.cancelled:
+                self._finish_cancelled(seq)
+            elif now > seq.deadline:
+                self._fail(seq, RequestTimeout("waited %.0f s in the queue" % (now - seq.submitted)))
+            else:
+                admitted.append(seq)
+        return admitted
+
+    def _prefill(self, group: list[Sequence]) -> None:
+        model = self.model
+        length = max(s.prompt.tokens for s in group)
+        rows = len(group)
+        input_ids = torch.full((rows, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, length), dtype=torch.long)
+        token_types = torch.zeros((rows, length), dtype=torch.long)
+        for row, seq in enumerate(group):
+            n = seq.prompt.tokens
+            input_ids[row, length - n :] = seq.prompt.input_ids
+            mask[row, length - n :] = 1
+            token_types[row, length - n :] = seq.prompt.mm_token_type_ids
+        grids = [s.prompt.image_grid_thw for s in group if s.prompt.image_grid_thw is not None]
+        image_grid_thw = torch.cat(grids) if grids else None
+        encoder_outputs = self._vision_features(group) if grids else None
+        vision_positions, deltas = model.model.get_rope_index(
+            input_ids, token_types, image_grid_thw=image_grid_thw, attention_mask=mask
+        )
+        text_positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        started = time.monotonic()
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=torch.cat([text_positions[None], vision_positions]),
+            cache=_new_cache(model),
+            mm_encoder_outputs=encoder_outputs,
+            image_grid_thw=image_grid_thw,
+            mm_token_type_ids=token_types,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.metrics.prefill_seconds.observe(time.monotonic() - started)
+        tokens = next_tokens(out.logits[:, -1, :].float(), [s.params for s in group])
+        batch = BatchState(
+            cache=out.cache,
+            attention_mask=mask,
+            text_positions=mask.sum(dim=1),
+            rope_deltas=deltas.view(-1).to(torch.long),
+            next_tokens=tokens,
+        )
+        keep = [row for row, seq in enumerate(group) if self._emit(seq, int(tokens[row]))]
+        if len(keep) < rows:
+            batch.select(keep)
+        if not keep:
+            return
+        if self._batch is None:
+            self._batch = batch
+        else:
+            self._batch.merge(batch)
+        self._running.extend(group[row] for row in keep)
+
+    def _vision_features(self, group: list[Sequence]) -> dict[str, Any]:
+        """Per-image vision features in prompt order, from the cache or one encoder call for the misses."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import (  # noqa: PLC0415
+            BaseModelOutputWithDeepstackFeatures,
+        )
+
+        ordered: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # key, pixels, grid row
+        for seq in group:
+            prompt = seq.prompt
+            if prompt.image_grid_thw is None:
+                continue
+            offset = 0
+            for key, grid in zip(prompt.image_keys, prompt.image_grid_thw, strict=True):
+                patches = int(grid.prod())
+                ordered.append((key, prompt.pixel_values[offset : offset + patches], grid))
+                offset += patches
+        features: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        misses: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, pixels, grid in ordered:
+            if key in features or key in misses:
+                continue
+            cached = self.vision_cache.get(key) if key != "warmup" else None
+            if key != "warmup":
+                self.metrics.cache_lookup("vision", cached is not None)
+            if cached is not None:
+                features[key] = cached
+            else:
+                misses[key] = (pixels, grid)
+        if misses:
+            started = time.monotonic()
+            out = self.model.model.get_image_features(
+                torch.cat([p for p, _ in misses.values()]), torch.stack([g for _, g in misses.values()])
+            )
+            self.metrics.image_encode_seconds.observe(time.monotonic() - started)
+            for index, key in enumerate(misses):
+                entry = (out.pooler_output[index], [layer[index] for layer in out.deepstack_features])
+                features[key] = entry
+                if key != "warmup":
+                    self.vision_cache.put(key, entry)
+        embeds = tuple(features[key][0] for key, _, _ in ordered)
+        layers = len(features[ordered[0][0]][1])
+        deepstack = [tuple(features[key][1][layer] for key, _, _ in ordered) for layer in range(layers)]
+        return {"image": BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)}
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        self.metrics.decode_batch.observe(batch.size)
+        inputs = batch.step_inputs()
+        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+        batch.cache = out.cache
+        tokens = next_tokens(out.logits[:, -1, :].float(), [s.params for s in self._running])
+        batch.advance(inputs["attention_mask"], tokens)
+        keep = [row for row, seq in enumerate(self._running) if self._emit(seq, int(tokens[row]))]
+        if len(keep) < len(self._running):
+            self._running = [self._running[row] for row in keep]
+            if keep:
+                batch.select(keep)
+            else:
+                self._batch = None
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for row, seq in enumerate(self._running):
+            if seq.cancelled:
+                self._finish_cancelled(seq)
+            elif now > seq.deadline:
+                self._fail(
+                    seq, RequestTimeout("the request ran past its %.0f s deadline" % self.limits.request_timeout_s)
+                )
+            else:
+                keep.append(row)
+        if len(keep) < len(self._running):
+            self._running = [self._running[row] for row in keep]
+            if keep:
+                self._batch.select(keep)
+            else:
+                self._batch = None
+
+    def _emit(self, seq: Sequence, token: int) -> bool:
+        """Record a new token for a sequence; returns False once the sequence is finished."""
+        now = time.monotonic()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft_seconds.observe(now - seq.submitted)
+        seq.generated.append(token)
+        reason = None
+        if token in self.eos_ids and not seq.params.ignore_eos:
+            reason = "stop"
+            ids = seq.generated[:-1]
+        else:
+            ids = seq.generated
+        text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+        stop_at = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            text, reason = text[:stop_at], "stop"
+        if reason is None and (
+            len(seq.generated) >= seq.params.max_tokens
+            or seq.prompt.tokens + len(seq.generated) >= self.limits.max_context_tokens
+        ):
+            reason = "length"
+        seq.text = text
+        if reason is None:
+            # Hold back a tail that may still become a stop string or a multi-byte character.
+            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
+            safe = len(text) - hold
+            # An incomplete UTF-8 character decodes to up to 3 replacement characters until its last byte comes.
+            for _ in range(3):
+                if safe > seq.emitted and text[safe - 1] == "\ufffd":
+                    safe -= 1
+        else:
+            safe = len(text)
+        if safe > seq.emitted:
+            seq.sink.on_text(text[seq.emitted : safe])
+            seq.emitted = safe
+        if reason is None:
+            return True
+        self._finish(seq, reason)
+        return False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.done = True
+        now = time.monotonic()
+        completion = len(seq.generated)
+        self.metrics.generated_tokens.inc(completion)
+        self.metrics.prompt_tokens.inc(seq.prompt.tokens)
+        self.metrics.e2e_seconds.observe(now - seq.submitted)
+        if completion > 1 and seq.first_token_at is not None:
+            self.metrics.tpot_seconds.observe((now - seq.first_token_at) / (completion - 1))
+        if seq.use_result_cache:
+            self.result_cache.put(self._result_key(seq), (seq.text, reason, completion))
+        seq.sink.on_finish(reason, Usage(seq.prompt.tokens, completion))
+
+    def _finish_cancelled(self, seq: Sequence) -> None:
+        seq.done = True
+        self.metrics.cancelled.inc()
+
+    def _fail(self, seq: Sequence, error: EngineError) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        seq.sink.on_error(error)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+class _WaitingSink:
+    """A sink for the warm-up: waits for the end and re-raises a failure."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self.error: EngineError | None = None
+
+    def on_text(self, text: str) -> None:
+        pass
+
+    def on_finish(self, reason: str, usage: Usage) -> None:
+        self._done.set()
+
+    def on_error(self, error: EngineError) -> None:
+        self.error = error
+        self._done.set()
+
+    def wait(self, timeout: float) -> None:
+        if not self._done.wait(timeout):
+            raise EngineFailure("warm-up did not finish in %.0f s" % timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _new_cache(model):
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    return DynamicCache(config=model.config)
+
+
+def _feature_bytes(entry) -> int:
+    if entry is None:
+        return 0
+    embeds, deepstack = entry
+    return sum(t.numel() * t.element_size() for t in [embeds, *deepstack])
+
+
+def _cgroup_memory_limit() -> int | None:
+    """95% of this process's cgroup memory.high (or memory.max): where to start shedding load."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as handle:
+            line = next((x for x in handle.read().splitlines() if x.startswith("0::")), None)
+    except OSError:
+        return None
+    if line is None:
+        return None
+    base = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+    for name in ("memory.high", "memory.max"):
+        try:
+            value = (base / name).read_text().strip()
+        except OSError:
+            continue
+        if value != "max":
+            return int(int(value) * 0.95)
+    return None

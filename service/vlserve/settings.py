@@ -1,0 +1,95 @@
+"""Service settings: one pydantic-settings model per concern, every field a VLSERVE_ variable.
+
+A systemd `EnvironmentFile=` configures the service through the same names, and `vlserve serve`
+derives its flags from these models, so the three cannot disagree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_CONFIG = SettingsConfigDict(env_prefix="VLSERVE_", extra="ignore", env_file=None)
+
+
+class ServerSettings(BaseSettings):
+    model_config = _CONFIG
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8101, ge=1, le=65535, description="TCP port to listen on")
+    api_key: SecretStr | None = Field(
+        None, description="if set, requests must send 'Authorization: Bearer <key>' (health and metrics stay open)"
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    served_model_name: str = Field("qwen3-vl-2b-instruct", description="model id in /v1/models and responses")
+
+
+class ModelSettings(BaseSettings):
+    model_config = _CONFIG
+
+    model: Path = Field(Path("/var/lib/vlserve/model"), description="local Qwen3-VL checkpoint directory")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="weights dtype; auto: bfloat16 on CPUs with AVX-512 BF16 or AMX, else float32"
+    )
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="torch threads (default: one per physical core this process may use)"
+    )
+    min_pixels: int = Field(32 * 32, ge=32 * 32, description="images smaller than this are upscaled (pixels)")
+    max_pixels: int = Field(
+        448 * 448,
+        ge=32 * 32,
+        description="images larger than this are downscaled before the vision encoder (pixels); "
+        "448x448 costs about 1/12 of a 1280x720 photo at the processor's default",
+    )
+    warmup: bool = Field(True, description="run one request through the model before reporting ready")
+
+    @model_validator(mode="after")
+    def _pixels_in_order(self) -> ModelSettings:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError("min_pixels (%d) must not exceed max_pixels (%d)" % (self.min_pixels, self.max_pixels))
+        return self
+
+
+class LimitSettings(BaseSettings):
+    model_config = _CONFIG
+
+    max_batch_size: int = Field(4, ge=1, le=256, description="sequences decoded together")
+    max_context_tokens: int = Field(4096, ge=256, le=262144, description="prompt plus output tokens per request")
+    max_queue: int = Field(64, ge=0, le=100000, description="requests waiting beyond the batch; more get 429")
+    max_tokens_default: int = Field(512, ge=1, description="max_tokens when a request gives none")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request still queued or running after this fails")
+    max_upload_bytes: int = Field(20 * 2**20, ge=1024, description="largest request body; larger gets 413")
+    max_images_per_request: int = Field(4, ge=0, le=64, description="images one request may carry")
+    max_image_source_pixels: int = Field(
+        50_000_000, ge=1024, description="refuse images whose decoded size exceeds this (decompression bombs)"
+    )
+    image_url_hosts: list[str] = Field(
+        default_factory=list,
+        description="hosts whose http(s) image URLs the server may fetch (default: none, data: URIs only)",
+    )
+    image_fetch_timeout_s: float = Field(10.0, gt=0, description="timeout of one image fetch")
+    result_cache_entries: int = Field(256, ge=0, description="answers kept for repeated greedy requests (0: off)")
+    vision_cache_bytes: int = Field(256 * 2**20, ge=0, description="vision features kept by image (0: off)")
+    memory_limit_bytes: int | None = Field(
+        None, ge=0, description="resident memory at which new requests get 503 (default: the cgroup's memory.high)"
+    )
+
+
+class Settings:
+    """The three concerns together, as the app factory takes them."""
+
+    def __init__(
+        self,
+        server: ServerSettings | None = None,
+        model: ModelSettings | None = None,
+        limits: LimitSettings | None = None,
+    ):
+        self.server = server or ServerSettings()
+        self.model = model or ModelSettings()
+        self.limits = limits or LimitSettings()
+
+
+SETTINGS_MODELS = (ServerSettings, ModelSettings, LimitSettings)

@@ -1,0 +1,200 @@
+"""The engine without HTTP: its output is the model's own, batching changes nothing, limits hold."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import run_tool
+from vlserve.engine import ContextLengthExceeded, Engine, ImageInput, RequestTimeout
+from vlserve.sampling import SamplingParams
+from vlserve.settings import LimitSettings, ModelSettings
+
+
+class Collect:
+    def __init__(self, on_text=None):
+        self.text, self.reason, self.usage, self.error = "", None, None, None
+        self.done = threading.Event()
+        self._on_text = on_text
+
+    def on_text(self, text):
+        self.text += text
+        if self._on_text:
+            self._on_text(self)
+
+    def on_finish(self, reason, usage):
+        self.reason, self.usage = reason, usage
+        self.done.set()
+
+    def on_error(self, error):
+        self.error = error
+        self.done.set()
+
+    def wait(self):
+        assert self.done.wait(60), "no answer in 60 s"
+        return self
+
+
+def image(color, size):
+    picture = Image.new("RGB", size, color)
+    picture.paste((255 - color[0], color[1], 0), (0, 0, size[0] // 3, size[1] // 2))
+    return ImageInput(picture, hashlib.sha256(picture.tobytes()).hexdigest())
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """float32 weights: batched and solo runs must agree token for token."""
+    directory = tmp_path_factory.mktemp("models") / "tiny-fp32"
+    assert run_tool("vlserve", "make-test-model", str(directory), "--dtype", "float32").returncode == 0
+    engine = Engine(
+        ModelSettings(model=directory, dtype="float32"),
+        LimitSettings(max_batch_size=4, max_context_tokens=1024, request_timeout_s=30),
+    )
+    engine.load()
+    engine.warmup()
+    engine.mark_ready()
+    yield engine
+    engine.shutdown()
+
+
+CONVERSATIONS = [
+    [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image((200, 30, 30), (300, 200))},
+                {"type": "text", "text": "What is this?"},
+            ],
+        }
+    ],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many cats are in the picture?"}],
+    [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image((10, 130, 30), (100, 180))},
+                {"type": "text", "text": "Describe the picture in detail, please."},
+            ],
+        }
+    ],
+]
+
+
+def hf_generate(engine, prompt, tokens):
+    """transformers' own generate() on the same inputs: the reference."""
+    inputs = {
+        "input_ids": prompt.input_ids[None],
+        "attention_mask": torch.ones_like(prompt.input_ids)[None],
+        "mm_token_type_ids": prompt.mm_token_type_ids[None],
+    }
+    if prompt.pixel_values is not None:
+        inputs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+    with torch.inference_mode():
+        out = engine.model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
+    return out[0, prompt.tokens :].tolist()
+
+
+def run(engine, conversation, tokens=24, **params):
+    sink = Collect()
+    sequence = engine.submit(
+        engine.prepare(conversation), SamplingParams(max_tokens=tokens, **params), sink, use_caches=False
+    )
+    sink.wait()
+    return sequence, sink
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_greedy_output_is_what_transformers_generates(engine, index):
+    sequence, sink = run(engine, CONVERSATIONS[index])
+    reference = hf_generate(engine, sequence.prompt, 24)
+    assert sequence.generated == reference[: len(sequence.generated)]
+    assert sink.usage.completion_tokens == len(sequence.generated)
+    assert sink.usage.prompt_tokens == sequence.prompt.tokens
+
+
+def test_requests_that_join_mid_flight_get_the_same_tokens_as_alone(engine):
+    alone = [run(engine, conversation, tokens=40)[0].generated for conversation in CONVERSATIONS]
+    sinks, sequences = [], []
+
+    def submit(index):
+        sink = Collect(on_text=join_next if index + 1 < len(CONVERSATIONS) else None)
+        sinks.append(sink)
+        prompt = engine.prepare(CONVERSATIONS[index])
+        sequences.append(engine.submit(prompt, SamplingParams(max_tokens=40), sink, use_caches=False))
+
+    def join_next(sink):
+        # Called from the scheduler thread as text arrives: the next request joins a running batch.
+        if not getattr(sink, "joined", False) and len(sink.text) >= 2:
+            sink.joined = True
+            submit(len(sinks))
+
+    before = engine.metrics.decode_batch.collect()[0].samples
+    submit(0)
+    for sink in sinks:
+        sink.wait()
+    deadline = time.monotonic() + 30
+    while len(sinks) < len(CONVERSATIONS) or not all(s.done.is_set() for s in sinks):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert [s.generated for s in sequences] == alone
+    after = engine.metrics.decode_batch.collect()[0].samples
+    widest = {s.labels["le"]: s.value for s in after if s.name.endswith("_bucket")}
+    narrow = {s.labels["le"]: s.value for s in before if s.name.endswith("_bucket")}
+    assert widest["1.0"] - narrow["1.0"] < widest["+Inf"] - narrow["+Inf"], "no step ever ran two sequences"
+
+
+def test_stop_strings_cut_the_text(engine):
+    _, sink = run(engine, CONVERSATIONS[1], tokens=24)
+    assert len(sink.text) > 4
+    stop = sink.text[2:4]
+    _, stopped = run(engine, CONVERSATIONS[1], tokens=24, stop=(stop,))
+    assert stopped.reason == "stop"
+    assert stopped.text == sink.text[: sink.text.find(stop)]
+
+
+def test_seeded_sampling_is_repeatable(engine):
+    first = run(engine, CONVERSATIONS[0], temperature=0.9, top_p=0.9, seed=7)[0].generated
+    second = run(engine, CONVERSATIONS[0], temperature=0.9, top_p=0.9, seed=7)[0].generated
+    other = run(engine, CONVERSATIONS[0], temperature=0.9, top_p=0.9, seed=8)[0].generated
+    assert first == second
+    assert first != other
+
+
+def test_cancel_frees_the_slot(engine):
+    sink = Collect()
+    sequence = engine.submit(engine.prepare(CONVERSATIONS[1]), SamplingParams(max_tokens=900, ignore_eos=True), sink)
+    while not sink.text:
+        time.sleep(0.005)
+    sequence.cancel()
+    deadline = time.monotonic() + 10
+    while engine.running:
+        assert time.monotonic() < deadline, "the cancelled sequence is still running"
+        time.sleep(0.01)
+    assert not sink.done.is_set()  # a cancelled request gets no finish: nobody is listening
+    assert len(sequence.generated) < 900
+
+
+def test_a_request_past_its_deadline_fails_with_a_timeout(engine):
+    engine.limits.request_timeout_s = 0.3
+    try:
+        sink = Collect()
+        engine.submit(engine.prepare(CONVERSATIONS[1]), SamplingParams(max_tokens=900, ignore_eos=True), sink)
+        sink.wait()
+    finally:
+        engine.limits.request_timeout_s = 30
+    assert isinstance(sink.error, RequestTimeout)
+
+
+def test_context_limit(engine):
+    prompt = engine.prepare(CONVERSATIONS[1])
+    assert engine.resolve_max_tokens(prompt, None) == min(512, 1024 - prompt.tokens)
+    with pytest.raises(ContextLengthExceeded):
+        engine.resolve_max_tokens(prompt, 1024)
+    long = engine.prepare([{"role": "user", "content": "word " * 2000}])
+    with pytest.raises(ContextLengthExceeded):
+        engine.resolve_max_tokens(long, None)
