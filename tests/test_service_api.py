@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import http.server
 import json
+import threading
 import time
 
 import httpx
@@ -178,7 +181,21 @@ def test_metrics_parse_and_count_outcomes(server):
 @pytest.fixture(scope="module")
 def narrow_server(tiny_model):
     """One batch slot and no queue: the second concurrent request is refused."""
-    running = Server(tiny_model, "--max-batch-size", "1", "--max-queue", "0", "--api-key", "s3cret").wait_ready()
+    running = Server(
+        tiny_model,
+        "--max-batch-size",
+        "1",
+        "--max-queue",
+        "0",
+        "--api-key",
+        "s3cret",
+        "--image-url-hosts",
+        "127.0.0.1",
+        "--image-fetch-timeout-s",
+        "2",
+        "--max-upload-bytes",
+        str(2 * 2**20),
+    ).wait_ready()
     yield running
     running.stop()
 
@@ -212,3 +229,63 @@ def test_api_key_is_required_when_set(narrow_server):
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
     assert httpx.get(narrow_server.url + "/healthz").status_code == 200  # health stays open
+
+
+class ImageHost(http.server.BaseHTTPRequestHandler):
+    """A loopback web server with one good image, one too large, a redirect and a slow one."""
+
+    def do_GET(self):
+        if self.path == "/slow.png":
+            time.sleep(4)
+        if self.path == "/redirect.png":
+            self.send_response(302)
+            self.send_header("Location", "/ok.png")
+            self.end_headers()
+            return
+        body = png_bytes() if self.path in ("/ok.png", "/slow.png") else b"\0" * (3 * 2**20)
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ImageHost)
+    thread = threading.Thread(target=host.serve_forever, daemon=True)
+    thread.start()
+    yield "http://127.0.0.1:%d" % host.server_address[1]
+    host.shutdown()
+
+
+@pytest.mark.parametrize(
+    "path, status, code",
+    [
+        ("/ok.png", 200, None),
+        ("/big.png", 413, "image_too_large"),
+        ("/redirect.png", 400, "invalid_image"),
+        ("/slow.png", 400, "invalid_image"),
+    ],
+)
+def test_image_urls_from_an_allowed_host(narrow_server, image_host, path, status, code):
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_host + path}},
+                    {"type": "text", "text": "What?"},
+                ],
+            }
+        ],
+        "max_tokens": 3,
+    }
+    response = post(narrow_server, body, headers={"Authorization": "Bearer s3cret"})
+    assert response.status_code == status, response.text
+    if code:
+        assert response.json()["error"]["code"] == code

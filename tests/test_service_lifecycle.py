@@ -130,12 +130,20 @@ def test_serve_help_lists_every_setting_with_its_variable():
             assert "VLSERVE_" + name.upper() in text, name
 
 
-def test_settings_come_from_the_environment(tiny_model):
-    server = Server(tiny_model, env={"VLSERVE_SERVED_MODEL_NAME": "from-env", "VLSERVE_MAX_CONTEXT_TOKENS": "2048"})
+def test_settings_come_from_the_environment_and_the_memory_guard_sheds_load(tiny_model):
+    env = {
+        "VLSERVE_SERVED_MODEL_NAME": "from-env",
+        "VLSERVE_MAX_CONTEXT_TOKENS": "2048",
+        "VLSERVE_MEMORY_LIMIT_BYTES": str(64 * 2**20),
+    }  # below any worker's resident memory
+    server = Server(tiny_model, env=env)
     try:
         server.wait_ready()
         card = httpx.get(server.url + "/v1/models").json()["data"][0]
         assert (card["id"], card["max_model_len"]) == ("from-env", 2048)
+        shed = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert shed.status_code == 503 and shed.json()["error"]["code"] == "memory_pressure"
+        assert int(shed.headers["Retry-After"]) > 0
     finally:
         server.stop()
 

@@ -254,7 +254,7 @@ class Engine:
             ]
         )
         waiter = _WaitingSink()
-        self.submit(prompt, SamplingParams(max_tokens=2), waiter, use_caches=False, allow_unready=True)
+        self.submit(prompt, SamplingParams(max_tokens=2), waiter, use_caches=False, warmup=True)
         waiter.wait(self.limits.request_timeout_s)
         log.info("warm-up done in %.1f s", time.monotonic() - started)
 
@@ -358,10 +358,13 @@ class Engine:
         return requested
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams, sink: Sink, use_caches: bool = True, allow_unready: bool = False
+        self, prompt: Prompt, params: SamplingParams, sink: Sink, use_caches: bool = True, warmup: bool = False
     ) -> Sequence:
-        """Queue a request. Raises NotReady, Overloaded or MemoryPressure instead of accepting work it cannot do."""
-        if not self.ready and not allow_unready:
+        """Queue a request. Raises NotReady, Overloaded or MemoryPressure instead of accepting work it cannot do.
+
+        `warmup`: the engine's own first request, before it is ready and whatever the memory guard says.
+        """
+        if not self.ready and not warmup:
             raise NotReady("the model is %s" % self.state)
         now = time.monotonic()
         seq = Sequence(
@@ -382,7 +385,7 @@ class Engine:
                 seq.done = True
                 return seq
         rss = self._process.memory_info().rss
-        if self._memory_limit and rss > self._memory_limit:
+        if self._memory_limit and rss > self._memory_limit and not warmup:
             raise MemoryPressure(
                 "resident memory %.1f GiB is over the limit of %.1f GiB; try again shortly"
                 % (rss / 2**30, self._memory_limit / 2**30),

@@ -13,12 +13,15 @@ import hashlib
 import io
 import math
 import urllib.parse
-import warnings
 
 import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlserve.engine import ImageInput
+
+# The size limit is ours (max_image_source_pixels, checked from the header before any decoding),
+# so Pillow's fixed global one, which would pre-empt it with its own message, is switched off.
+Image.MAX_IMAGE_PIXELS = None
 
 
 class ImageError(ValueError):
@@ -76,31 +79,25 @@ def load_image(data: bytes, max_source_pixels: int, max_pixels: int, param: str)
     if not data:
         raise ImageError("the image is empty (0 bytes)", param)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > max_source_pixels:
-                raise ImageError(
-                    "the image is %dx%d = %d pixels; this server accepts at most %d"
-                    % (width, height, width * height, max_source_pixels),
-                    param,
-                )
-            if image.format == "JPEG" and width * height > 4 * max_pixels:
-                # Let libjpeg decode at 1/2, 1/4 or 1/8 scale: a large photo costs a fraction to read.
-                scale = math.sqrt(max_pixels / (width * height))
-                image.draft("RGB", (max(1, int(width * scale)), max(1, int(height * scale))))
-            image.load()
-            image = ImageOps.exif_transpose(image)
-            if image.mode != "RGB":
-                image = (
-                    image.convert("RGBA").convert("RGB")
-                    if "A" in image.mode or image.mode == "P"
-                    else image.convert("RGB")
-                )
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > max_source_pixels:
+            raise ImageError(
+                "the image is %dx%d = %d pixels; this server accepts at most %d"
+                % (width, height, width * height, max_source_pixels),
+                param,
+            )
+        if image.format == "JPEG" and width * height > 4 * max_pixels:
+            # Let libjpeg decode at 1/2, 1/4 or 1/8 scale: a large photo costs a fraction to read.
+            scale = math.sqrt(max_pixels / (width * height))
+            image.draft("RGB", (max(1, int(width * scale)), max(1, int(height * scale))))
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        if image.mode != "RGB":
+            image = image.convert("RGB")
     except ImageError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+    except UnidentifiedImageError as error:
         raise ImageError("not an image this server can read: %s" % error, param) from None
     except (OSError, ValueError, SyntaxError) as error:  # truncated or corrupt files
         raise ImageError("the image could not be decoded: %s" % error, param) from None

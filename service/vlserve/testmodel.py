@@ -234,8 +234,12 @@ def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, dt
     )
     torch.manual_seed(seed)
     torch_dtype = getattr(torch, dtype)
-    with torch.device("cpu"):
-        model = Qwen3VLForConditionalGeneration(config).to(torch_dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)  # build in the target dtype: no float32 copy of 2 B parameters
+    try:
+        model = Qwen3VLForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(previous)
     if size == "tiny":
         # Default init (std 0.02) makes a tiny model say the same token whatever it sees. Wider
         # weights make its output depend on the image and the text, so tests can tell inputs apart.
