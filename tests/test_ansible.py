@@ -94,28 +94,6 @@ def test_audit_reports_an_infeasible_host_instead_of_failing():
     assert "no plan: one Qwen3-VL-2B-Instruct worker needs" in result.stdout
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        ({"vlserve_facts_swappiness": 500}, "vlserve_facts_swappiness must be empty or an integer from 0 to 200"),
-        ({"vlserve_facts_zram_fraction": "lots"}, "vlserve_facts_zram_fraction"),
-        ({"vlserve_facts_objective": "fastest"}, "vlserve_facts_objective"),
-        ({"vlserve_facts_allowed_cpus": "0-4095"}, "vlserve_facts_allowed_cpus has CPUs"),
-    ],
-)
-def test_bad_inventory_values_fail_before_anything_runs_and_name_the_variable(extra, message):
-    result = playbook("site.yml", "-e", json.dumps(extra))
-    assert result.returncode != 0
-    assert message in result.stdout
-    assert "changed=0" in result.stdout
-
-
-def test_site_sizes_the_host_in_check_mode():
-    result = playbook("site.yml")
-    assert result.returncode == 0, result.stdout
-    assert "changed=0" in result.stdout
-
-
 def test_readme_role_variables_match_the_argument_specs():
     result = run_tool("python", "scripts/role-docs", "--check")
     assert result.returncode == 0, result.stderr

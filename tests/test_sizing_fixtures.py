@@ -53,8 +53,14 @@ def test_xeon_gold_two_sockets_float32_five_threads_per_worker():
     assert result["knobs"]["cpu_governor"] == {
         "value": "performance",
         "applies": True,
+        "configure": True,
         "why": "steady clocks: ondemand/powersave ramp up too late for bursts",
     }
+    isolation = result["knobs"]["cpu_isolation"]
+    assert isolation["applies"] and isolation["value"]["memory_nodes"] == [0, 1]
+    assert isolation["value"]["cpus"] == list(range(1, 16)) + list(range(17, 32)) + list(range(33, 48)) + list(
+        range(49, 64)
+    )
     assert result["knobs"]["energy_performance_preference"]["applies"] is True
     assert result["knobs"]["swappiness"]["value"] == 10  # a disk swap partition exists
     assert "swap on a disk" in result["knobs"]["swappiness"]["why"]
@@ -123,6 +129,9 @@ def test_wsl2_with_6_gib_cannot_run_and_says_how_to_fix_it():
     result = sizing.plan(facts)
     knobs = result["knobs"]
     assert knobs["wsl"]["applies"] is True
+    # .wslconfig must give the distribution at least what the plan uses, rounded up to whole GiB.
+    assert knobs["wsl"]["value"]["memory_bytes"] == 12 * sizing.GIB
+    assert knobs["wsl"]["value"]["processors"] == 8
     assert knobs["zram"]["applies"] is False and "wslconfig" in knobs["zram"]["why"]
     assert knobs["cpu_governor"]["applies"] is False and "no cpufreq" in knobs["cpu_governor"]["why"]
 
@@ -133,8 +142,11 @@ def test_container_quota_caps_threads_and_housekeeping_comes_from_the_idle_cpus(
     assert result["worker_list"][0]["cpus"] == [1, 2]
     assert "CPU quota 2.50 caps it at 2" in result["cores"]["why"]
     assert result["memory"]["available_why"] == "the cgroup memory limit minus its usage"
-    for name in ("cpu_governor", "zram", "swappiness", "page_cluster"):
+    for name in ("cpu_governor", "zram", "swappiness", "page_cluster", "cpu_isolation"):
         assert result["knobs"][name]["applies"] is False, name
+    # Written for when the image boots on a real host, though a container cannot apply it.
+    assert result["knobs"]["swappiness"]["configure"] is True
+    assert result["knobs"]["zram"]["configure"] is False
 
 
 def test_two_vcpu_cloud_vm_one_thread_and_no_cpufreq():
@@ -165,7 +177,7 @@ def test_policy_overrides_are_honoured_and_reported():
     assert [w["numa_node"] for w in result["worker_list"]] == [0, 1]  # balanced across nodes
     assert result["workers"]["threads"] == [16, 16]
     assert result["model"]["why"] == "set by policy"
-    assert result["knobs"]["swappiness"] == {"value": 30, "applies": True, "why": "set by policy"}
+    assert result["knobs"]["swappiness"] == {"value": 30, "applies": True, "configure": True, "why": "set by policy"}
 
 
 def test_allowed_cpus_outside_the_host_are_refused():

@@ -890,7 +890,7 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
             else "one NUMA node: no memory binding needed",
         },
         "worker_list": worker_list,
-        "knobs": _plan_knobs(facts, policy, cores),
+        "knobs": _plan_knobs(facts, policy, cores, count * per_worker["high_bytes"] + budget["reserve_bytes"]),
     }
 
 
@@ -1051,109 +1051,125 @@ def _plan_workers(by_node: dict[int, list[int]], policy: Policy, by_memory: int)
     return workers
 
 
-def _plan_knobs(facts: dict[str, Any], policy: Policy, cores: dict[str, Any]) -> dict[str, Any]:
-    """Host tuning knobs: the desired value, whether it applies here, and why."""
+def _knob(value: Any, applies: bool, why: str, configure: bool | None = None) -> dict[str, Any]:
+    """A host knob: the wanted value, whether it takes effect here, whether its config is written anyway."""
+    return {"value": value, "applies": applies, "configure": applies if configure is None else configure, "why": why}
+
+
+def _plan_knobs(facts: dict[str, Any], policy: Policy, cores: dict[str, Any], memory_needed: int) -> dict[str, Any]:
+    """Host tuning knobs: the wanted value, whether it applies here, and why.
+
+    `configure` without `applies`: the role writes the persistent config (a container's sysctl.d,
+    for when the image boots on a real host) but cannot make it take effect here.
+    """
     platform, memory, cpufreq = facts["platform"], facts["memory"], facts["cpufreq"]
-    container = platform["kind"] == "container"
+    container, wsl = platform["kind"] == "container", bool(platform["wsl"])
+    systemd = platform["init"] == "systemd"
     knobs: dict[str, Any] = {}
 
     if cpufreq["available"] and not container:
-        knobs["cpu_governor"] = {
-            "value": "performance",
-            "applies": True,
-            "why": "steady clocks: ondemand/powersave ramp up too late for bursts",
-        }
-        knobs["energy_performance_preference"] = {
-            "value": "performance",
-            "applies": "performance" in cpufreq["available_energy_performance_preferences"],
-            "why": "%s exposes EPP" % cpufreq["driver"]
-            if cpufreq["available_energy_performance_preferences"]
-            else "no EPP on this cpufreq driver",
-        }
+        knobs["cpu_governor"] = _knob(
+            "performance", True, "steady clocks: ondemand/powersave ramp up too late for bursts"
+        )
+        has_epp = "performance" in cpufreq["available_energy_performance_preferences"]
+        knobs["energy_performance_preference"] = _knob(
+            "performance", has_epp, "%s exposes EPP" % cpufreq["driver"] if has_epp else "no EPP on this cpufreq driver"
+        )
     else:
         why = (
             "containers cannot set the host's governor"
             if container
             else "no cpufreq here (%s): the hypervisor owns the clocks" % (platform["vm"] or platform["kind"])
         )
-        knobs["cpu_governor"] = {"value": "performance", "applies": False, "why": why}
-        knobs["energy_performance_preference"] = {"value": "performance", "applies": False, "why": why}
+        knobs["cpu_governor"] = _knob("performance", False, why)
+        knobs["energy_performance_preference"] = _knob("performance", False, why)
 
     other_swap = [s for s in memory["swaps"] if not os.path.basename(s["name"]).startswith("zram")]
-    zram_applies = memory["zram"]["available"] and not container and not platform["wsl"]
+    zram_applies = memory["zram"]["available"] and not container and not wsl and systemd
     if container:
         zram_why = "a container cannot add swap devices"
-    elif platform["wsl"]:
-        zram_why = "WSL2's kernel swap is set in .wslconfig, not with zram"
+    elif wsl:
+        zram_why = "WSL2's swap is set in .wslconfig, not with zram"
     elif not memory["zram"]["available"]:
         zram_why = "this kernel has no zram module"
+    elif not systemd:
+        zram_why = "zram swap is set up by systemd units, and this host's init is %s" % platform["init"]
     else:
         zram_why = "compressed swap in RAM absorbs bursts of the housekeeping side; the model never relies on it"
     size = min(int(memory["total_bytes"] * policy.zram_fraction), policy.zram_max_bytes)
-    knobs["zram"] = {
-        "value": {"size_bytes": size // MIB * MIB, "algorithm": policy.zram_algorithm, "priority": 100},
-        "applies": zram_applies,
-        "why": zram_why,
-    }
+    knobs["zram"] = _knob(
+        {"size_bytes": size // MIB * MIB, "algorithm": policy.zram_algorithm, "priority": 100}, zram_applies, zram_why
+    )
+
     zram_only = zram_applies and not other_swap
     if policy.swappiness is not None:
         swappiness, swap_why = policy.swappiness, "set by policy"
     elif zram_only:
-        swappiness, swap_why = (
-            180,
-            (
-                "zram is the only swap: the kernel docs advise above 100 when swap "
-                "is faster than the file system; cold anonymous pages compress "
-                "instead of evicting the model's page cache"
-            ),
+        swappiness = 180
+        swap_why = (
+            "zram is the only swap: the kernel docs advise above 100 when swap is faster than the "
+            "file system; cold anonymous pages compress instead of evicting the model's page cache"
         )
     elif other_swap:
-        swappiness, swap_why = (
-            10,
-            ("swap on a disk: keep anonymous memory (the model's weights) in RAM and reclaim page cache first"),
-        )
+        swappiness = 10
+        swap_why = "swap on a disk: keep anonymous memory (the model's weights) in RAM, reclaim page cache first"
     else:
-        swappiness, swap_why = (
-            10,
-            ("no swap here: 10 keeps the model's weights resident should a disk swap be added later"),
-        )
-    sysctl_why = "" if not container else "; /proc/sys is the host's in a container: written, not applied"
-    knobs["swappiness"] = {"value": swappiness, "applies": not container, "why": swap_why + sysctl_why}
-    knobs["page_cluster"] = {
-        "value": 0 if zram_only else 3,
-        "applies": not container,
-        "why": ("zram swaps single pages fastest: no read-ahead" if zram_only else "kernel default for disk swap")
-        + sysctl_why,
-    }
+        swappiness, swap_why = 10, "no swap here: 10 keeps the model's weights resident should a disk swap be added"
+    suffix = "; in a container /proc/sys is the host's: written to sysctl.d, not applied" if container else ""
+    knobs["swappiness"] = _knob(swappiness, not container, swap_why + suffix, configure=True)
+    knobs["page_cluster"] = _knob(
+        0 if zram_only else 3,
+        not container,
+        ("zram swaps single pages fastest: no read-ahead" if zram_only else "the kernel default, for disk swap")
+        + suffix,
+        configure=True,
+    )
 
+    siblings = [
+        s
+        for e in facts["cpu"]["topology"]
+        if e["cpu"] in cores["usable"]
+        for s in e["core_cpus"]
+        if s != e["cpu"] and s in cores["allowed"]
+    ]
     v2 = facts["limits"]["cgroup_version"] == "v2"
-    knobs["cpu_isolation"] = {
-        "value": {
+    if not (v2 and systemd):
+        isolation_why = "needs systemd on cgroup v2 (this host: %s, cgroup %s)" % (
+            platform["init"],
+            facts["limits"]["cgroup_version"] or "none",
+        )
+    elif container:
+        isolation_why = "a container's cpusets are its host's to set: the slice is written, AllowedCPUs has no effect"
+    else:
+        isolation_why = "vlserve.slice gets the inference cores through AllowedCPUs="
+    nodes = sorted({e["node"] for e in facts["cpu"]["topology"] if e["cpu"] in cores["usable"]})
+    knobs["cpu_isolation"] = _knob(
+        {
             "slice": "vlserve.slice",
-            "cpus": cores["usable"]
-            + sorted(
-                s
-                for e in facts["cpu"]["topology"]
-                if e["cpu"] in cores["usable"]
-                for s in e["core_cpus"]
-                if s != e["cpu"] and s in cores["allowed"]
-            ),
+            "cpus": sorted(set(cores["usable"]) | set(siblings)),
+            "memory_nodes": nodes,
             "housekeeping_cpus": cores["housekeeping"],
         },
-        "applies": v2 and platform["init"] == "systemd",
-        "why": (
-            "vlserve.slice gets the inference cores through AllowedCPUs="
-            if v2 and platform["init"] == "systemd"
-            else "needs systemd on cgroup v2 (this host: %s, cgroup %s)"
-            % (platform["init"], facts["limits"]["cgroup_version"] or "none")
-        ),
-    }
-    knobs["cpu_isolation"]["value"]["cpus"] = sorted(set(knobs["cpu_isolation"]["value"]["cpus"]))
-    knobs["wsl"] = {
-        "value": {"systemd": True},
-        "applies": bool(platform["wsl"]),
-        "why": "WSL2 needs systemd=true in /etc/wsl.conf for the units" if platform["wsl"] else "not a WSL host",
-    }
+        v2 and systemd and not container,
+        isolation_why,
+        configure=v2 and systemd,
+    )
+
+    knobs["openmp_runtime"] = _knob(
+        {"libgomp": True, "numactl": True},
+        True,
+        "GNU OpenMP for the math libraries that use the system's, numactl to inspect and bind NUMA placement",
+    )
+
+    if wsl:
+        needed = max(memory_needed, memory["total_bytes"])
+        knobs["wsl"] = _knob(
+            {"systemd": True, "memory_bytes": -(-needed // GIB) * GIB, "processors": facts["cpu"]["logical_cpus"]},
+            True,
+            "WSL2 needs systemd=true in /etc/wsl.conf for the units, and .wslconfig memory for the workers",
+        )
+    else:
+        knobs["wsl"] = _knob({"systemd": True}, False, "not a WSL host")
     return knobs
 
 

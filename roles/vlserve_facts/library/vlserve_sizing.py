@@ -21,6 +21,10 @@ options:
     description: Prefix of the caller's variable names, so a bad value is reported under its own name.
     type: str
     default: ""
+  audit:
+    description: Also compare the host's tuning with the plan (vlserve_audit, vlserve_audit_text).
+    type: bool
+    default: false
 author: vlserve toolkit
 """
 
@@ -32,6 +36,7 @@ ansible_facts:
 """
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.vlserve_audit import audit, probe_tuning, render, summary
 from ansible.module_utils.vlserve_sizing import (
     PlanError,
     Policy,
@@ -49,6 +54,7 @@ def main():
             "policy": {"type": "dict", "default": {}},
             "facts": {"type": "dict"},
             "name_prefix": {"type": "str", "default": ""},
+            "audit": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -65,15 +71,18 @@ def main():
     except PlanError as failure:
         error = str(failure)
         text += "\n\nno plan: " + error
-    module.exit_json(
-        changed=False,
-        ansible_facts={
-            "vlserve_facts": facts,
-            "vlserve_plan": result,
-            "vlserve_plan_error": error,
-            "vlserve_plan_text": text,
-        },
-    )
+    tuning = probe_tuning()
+    found = {
+        "vlserve_facts": facts,
+        "vlserve_tuning": tuning,
+        "vlserve_plan": result,
+        "vlserve_plan_error": error,
+        "vlserve_plan_text": text,
+    }
+    if module.params["audit"] and result is not None:
+        rows = audit(facts, result, tuning)
+        found.update(vlserve_audit=rows, vlserve_audit_summary=summary(rows), vlserve_audit_text=render(rows))
+    module.exit_json(changed=False, ansible_facts=found)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+../../../service/vlserve/audit.py

@@ -1,0 +1,202 @@
+"""The host audit: for every tuning knob of the plan, where the host stands (ok, drift, n/a).
+
+`probe_tuning(root)` reads what the tuning roles write (and what the kernel runs with);
+`audit(facts, plan, tuning)` compares it with the plan, a pure function. Like sizing.py, this
+file is shipped to targets as Ansible module_utils: standard library only, one file.
+"""
+
+from __future__ import annotations
+
+import configparser
+import glob
+import os
+import shutil
+from typing import Any
+
+try:  # In the vlserve package, and as Ansible module_utils next to vlserve_sizing.
+    from vlserve import sizing
+except ImportError:  # pragma: no cover - on targets
+    from ansible.module_utils import vlserve_sizing as sizing
+
+AUDIT_SCHEMA = "vlserve.audit/1"
+SYSCTL_FILE = "/etc/sysctl.d/90-vlserve.conf"
+ZRAM_CONFIG = "/etc/systemd/zram-generator.conf"
+SLICE_UNIT = "/etc/systemd/system/vlserve.slice"
+GOVERNOR_UNIT = "/etc/systemd/system/vlserve-cpu-governor.service"
+WSL_CONF = "/etc/wsl.conf"
+LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/lib/*-linux-gnu", "/lib/*-linux-gnu")
+
+
+def _read(root: str, path: str) -> str | None:
+    try:
+        with open(os.path.join(root, path.lstrip("/")), encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def _ini(text: str | None) -> configparser.ConfigParser | None:
+    if text is None:
+        return None
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # keys keep their case (AllowedCPUs)
+    try:
+        parser.read_string(text)
+    except configparser.Error:
+        return None
+    return parser
+
+
+def _sysctl_file(text: str | None) -> dict[str, str] | None:
+    if text is None:
+        return None
+    values = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if "=" in line:
+            key, value = line.split("=", 1)
+            values[key.strip()] = value.strip()
+    return values
+
+
+def probe_tuning(root: str = "/") -> dict[str, Any]:
+    """What the tuning roles have written on this host, read back from the files themselves."""
+    zram = _ini(_read(root, ZRAM_CONFIG))
+    slice_unit = _ini(_read(root, SLICE_UNIT))
+    wsl = _ini(_read(root, WSL_CONF))
+    effective = _read(root, "/sys/fs/cgroup/vlserve.slice/cpuset.cpus.effective")
+    libgomp = any(glob.glob(os.path.join(root, directory.lstrip("/"), "libgomp.so.1")) for directory in LIBRARY_DIRS)
+    return {
+        "sysctl_file": _sysctl_file(_read(root, SYSCTL_FILE)),
+        "zram_config": dict(zram["zram0"]) if zram is not None and zram.has_section("zram0") else None,
+        "slice": {
+            "allowed_cpus": sizing.parse_cpu_list(slice_unit.get("Slice", "AllowedCPUs", fallback=""))
+            if slice_unit is not None
+            else None,
+            "effective_cpus": sizing.parse_cpu_list(effective) if effective and effective.strip() else None,
+        },
+        "governor_unit": os.path.exists(os.path.join(root, GOVERNOR_UNIT.lstrip("/"))),
+        "wsl_systemd": wsl.get("boot", "systemd", fallback=None) if wsl is not None else None,
+        "libgomp": libgomp,
+        "numactl": shutil.which("numactl") is not None
+        if root == "/"
+        else os.path.exists(os.path.join(root, "usr/bin/numactl")),
+    }
+
+
+def _row(knob: str, current: Any, desired: Any, status: str, why: str) -> dict[str, Any]:
+    return {"knob": knob, "current": current, "desired": desired, "status": status, "why": why}
+
+
+def _status(knob: dict[str, Any], runtime_ok: bool | None, config_ok: bool | None) -> tuple[str, str]:
+    """ok / drift / n/a from what runs (where the knob applies) and what is written (where it is configured)."""
+    if not knob["configure"]:
+        return "n/a", knob["why"]
+    checks = [ok for ok in ((runtime_ok if knob["applies"] else None), config_ok) if ok is not None]
+    return ("ok" if all(checks) else "drift"), knob["why"]
+
+
+def audit(facts: dict[str, Any], plan: dict[str, Any], tuning: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per knob of the plan: current value, desired value, ok / drift / n/a, and why."""
+    knobs = plan["knobs"]
+    rows = []
+
+    governors = facts["cpufreq"]["governors"]
+    knob = knobs["cpu_governor"]
+    status, why = _status(knob, set(governors) == {knob["value"]}, tuning["governor_unit"])
+    rows.append(_row("cpu_governor", sorted(governors) or None, knob["value"], status, why))
+
+    preferences = facts["cpufreq"]["energy_performance_preferences"]
+    knob = knobs["energy_performance_preference"]
+    status, why = _status(knob, set(preferences) == {knob["value"]}, None)
+    rows.append(_row("energy_performance_preference", sorted(preferences) or None, knob["value"], status, why))
+
+    knob = knobs["zram"]
+    wanted = knob["value"]
+    devices = {d["name"]: d for d in facts["memory"]["zram"]["devices"]}
+    swapping = {os.path.basename(s["name"]) for s in facts["memory"]["swaps"]}
+    device = devices.get("zram0")
+    running = (
+        device is not None
+        and "zram0" in swapping
+        and abs((device["disksize_bytes"] or 0) - wanted["size_bytes"]) <= sizing.MIB
+        and device["algorithm"] == wanted["algorithm"]
+    )
+    config = tuning["zram_config"]
+    written = (
+        config is not None
+        and config.get("zram-size") == str(wanted["size_bytes"] // sizing.MIB)
+        and config.get("compression-algorithm") == wanted["algorithm"]
+    )
+    current = (
+        {"size_bytes": device["disksize_bytes"], "algorithm": device["algorithm"], "swap": "zram0" in swapping}
+        if device
+        else None
+    )
+    status, why = _status(knob, running, written)
+    rows.append(_row("zram", current, wanted, status, why))
+
+    written_sysctl = tuning["sysctl_file"] or {}
+    for name, key in (("swappiness", "vm.swappiness"), ("page_cluster", "vm.page-cluster")):
+        knob = knobs[name]
+        running, written = facts["sysctl"].get(key), written_sysctl.get(key)
+        status, why = _status(knob, running == knob["value"], written == str(knob["value"]))
+        rows.append(_row(name, {"running": running, "sysctl.d": written}, knob["value"], status, why))
+
+    knob = knobs["cpu_isolation"]
+    wanted_cpus = knob["value"]["cpus"]
+    state = tuning["slice"]
+    status, why = _status(knob, state["effective_cpus"] == wanted_cpus, state["allowed_cpus"] == wanted_cpus)
+    shown = state["effective_cpus"] if knob["applies"] else state["allowed_cpus"]
+    rows.append(
+        _row(
+            "cpu_isolation",
+            sizing.format_cpu_list(shown) if shown is not None else None,
+            sizing.format_cpu_list(wanted_cpus),
+            status,
+            why,
+        )
+    )
+
+    knob = knobs["openmp_runtime"]
+    current = {"libgomp": tuning["libgomp"], "numactl": tuning["numactl"]}
+    status, why = _status(knob, current == knob["value"], None)
+    rows.append(_row("openmp_runtime", current, knob["value"], status, why))
+
+    knob = knobs["wsl"]
+    status, why = _status(knob, None, (tuning["wsl_systemd"] or "").lower() == "true")
+    rows.append(_row("wsl", {"systemd": tuning["wsl_systemd"]}, knob["value"], status, why))
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """A table for people: knob, status, current -> desired, why."""
+
+    def show(value: Any) -> str:
+        if isinstance(value, dict):
+            return ", ".join("%s=%s" % (k.removesuffix("_bytes"), _short(k, v)) for k, v in value.items())
+        return "-" if value is None else str(value)
+
+    width = max(len(r["knob"]) for r in rows)
+    lines = ["%s  %-6s %s" % ("knob".ljust(width), "status", "current -> desired  (why)")]
+    for row in rows:
+        lines.append(
+            "%s  %-6s %s -> %s  (%s)"
+            % (row["knob"].ljust(width), row["status"], show(row["current"]), show(row["desired"]), row["why"])
+        )
+    return "\n".join(lines)
+
+
+def _short(key: str, value: Any) -> str:
+    if key.endswith("_bytes") and isinstance(value, int):
+        return "%.1fGiB" % (value / sizing.GIB)
+    if isinstance(value, list):
+        return sizing.format_cpu_list(value) or "none"
+    return str(value)
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, int]:
+    counts = {"ok": 0, "drift": 0, "n/a": 0}
+    for row in rows:
+        counts[row["status"]] += 1
+    return counts
