@@ -15,9 +15,9 @@ import os
 import re
 
 import pytest
-from harness import nspawn
 
-from conftest import run_tool
+from harness import nspawn
+from harness.playbooks import audit, play, recap
 
 REASON = nspawn.available()
 if REASON and os.environ.get("CI"):
@@ -36,27 +36,6 @@ def guest():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("nspawn")
-
-
-def play(guest, workdir, playbook, *args, check=False, **host_vars):
-    inventory = guest.inventory(workdir, **host_vars)
-    result = run_tool(
-        "ansible-playbook", "-i", str(inventory), playbook, *args, *(["--check"] if check else []), timeout=900
-    )
-    return result
-
-
-def recap(result) -> dict[str, int]:
-    match = re.search(r"guest\s+:\s+(.*)", result.stdout)
-    assert match, result.stdout[-3000:] + result.stderr[-3000:]
-    return {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", match.group(1))}
-
-
-def audit(guest, workdir, **host_vars) -> dict:
-    reports = workdir / "reports"
-    result = play(guest, workdir, "playbooks/audit.yml", "-e", "audit_report_dir=%s" % reports, check=True, **host_vars)
-    assert result.returncode == 0, result.stdout[-4000:]
-    return json.loads((reports / "guest.json").read_text())
 
 
 @pytest.mark.parametrize(

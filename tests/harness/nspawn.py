@@ -8,6 +8,7 @@ config files there and the audit reports those knobs as not applicable in a cont
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import shutil
@@ -114,7 +115,7 @@ class NspawnHost:
                 self.process.wait()
         for directory in CGROUP_DIRS:
             # The container's own cgroups (payload, supervisor) go too, deepest first, once empty.
-            for path in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True) + [directory]:
+            for path in [*sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True), directory]:
                 if path.is_dir():
                     with contextlib.suppress(OSError):  # still in use: reused next time
                         path.rmdir()
@@ -134,27 +135,29 @@ class NspawnHost:
         return result
 
     def inventory(self, directory: pathlib.Path, **host_vars) -> pathlib.Path:
-        """An inventory that reaches this container as `guest`, with extra host variables."""
-        import json  # noqa: PLC0415
-
-        values = {
-            "ansible_host": "127.0.0.1",
-            "ansible_port": SSH_PORT,
-            "ansible_user": "root",
-            "ansible_ssh_private_key_file": str(KEY),
-            "ansible_ssh_common_args": " ".join(SSH_OPTIONS),
-            "ansible_python_interpreter": "/usr/bin/python3",
-            **host_vars,
-        }
-        path = directory / "inventory.json"
-        path.write_text(json.dumps({"all": {"hosts": {"guest": values}}}, indent=2))
-        return path
+        return write_inventory(directory, SSH_PORT, **host_vars)
 
     def tree_digest(self, *paths: str) -> str:
         """One line per file under the paths: path, mode, size and sha256; compare two to see any change."""
         command = "find %s -xdev -type f -print0 2>/dev/null | sort -z | xargs -0 -r sha256sum; " % " ".join(paths)
         command += "find %s -xdev -printf '%%p %%m %%s %%l\\n' 2>/dev/null | sort" % " ".join(paths)
         return self.ssh(command).stdout
+
+
+def write_inventory(directory: pathlib.Path, port: int, **host_vars) -> pathlib.Path:
+    """An inventory that reaches a harness host on a loopback port as `guest`, with extra host variables."""
+    values = {
+        "ansible_host": "127.0.0.1",
+        "ansible_port": port,
+        "ansible_user": "root",
+        "ansible_ssh_private_key_file": str(KEY),
+        "ansible_ssh_common_args": " ".join(SSH_OPTIONS),
+        "ansible_python_interpreter": "/usr/bin/python3",
+        **host_vars,
+    }
+    path = directory / "inventory.json"
+    path.write_text(json.dumps({"all": {"hosts": {"guest": values}}}, indent=2))
+    return path
 
 
 def _child_of(pid: int) -> int | None:

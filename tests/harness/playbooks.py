@@ -1,0 +1,31 @@
+"""Running the project's playbooks against a harness host, and reading what they say."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+from conftest import run_tool
+
+
+def play(host, workdir: pathlib.Path, playbook: str, *args: str, check: bool = False, **host_vars):
+    inventory = host.inventory(workdir, **host_vars)
+    return run_tool(
+        "ansible-playbook", "-i", str(inventory), playbook, *args, *(["--check"] if check else []), timeout=1800
+    )
+
+
+def recap(result) -> dict[str, int]:
+    """The PLAY RECAP counters of the guest (ok, changed, failed, ...)."""
+    match = re.search(r"guest\s+:\s+(.*)", result.stdout)
+    assert match, result.stdout[-3000:] + result.stderr[-3000:]
+    return {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", match.group(1))}
+
+
+def audit(host, workdir: pathlib.Path, **host_vars) -> dict:
+    """Run the audit (in check mode) and return the guest's JSON report."""
+    reports = workdir / "reports"
+    result = play(host, workdir, "playbooks/audit.yml", "-e", "audit_report_dir=%s" % reports, check=True, **host_vars)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads((reports / "guest.json").read_text())

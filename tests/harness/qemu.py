@@ -1,0 +1,148 @@
+"""A QEMU VM (software emulation) booted from the harness rootfs: a real kernel of its own.
+
+Where the nspawn tier cannot go: sysctls take effect, zram swap exists, cgroup v2 cpusets apply
+(shared/HARNESS.md). /dev/kvm here cannot boot a stock kernel, so this is TCG: slow (seconds per
+Ansible task), and kept to the kernel-level checks.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+from harness import nspawn
+
+IMAGE_DIR = nspawn.CACHE / "vm"
+
+
+def ensure_image(rebuild: bool = False) -> pathlib.Path:
+    rootfs = nspawn.ensure_rootfs()
+    if rebuild or not (IMAGE_DIR / "disk.img").exists():
+        subprocess.run(
+            [str(nspawn.REPO / "tests" / "harness" / "build-vm-image"), str(rootfs), str(IMAGE_DIR)], check=True
+        )
+    return IMAGE_DIR
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class QemuHost:
+    """`with QemuHost() as vm:` boots a throwaway overlay of the image and powers it off after."""
+
+    def __init__(self, memory_mib: int = 8192, cpus: int = 2):
+        self.memory_mib, self.cpus = memory_mib, cpus
+        self.port = _free_port()
+        self.workdir: pathlib.Path | None = None
+        self.pid: int | None = None
+
+    def __enter__(self) -> QemuHost:
+        image = ensure_image()
+        self.workdir = pathlib.Path(
+            subprocess.run(
+                ["mktemp", "-d", "/var/tmp/vlserve-vm.XXXXXX"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        )
+        overlay = self.workdir / "overlay.qcow2"
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image / "disk.img"), "-F", "raw", str(overlay)],
+            check=True,
+        )
+        self.console = self.workdir / "console.log"
+        subprocess.run(
+            [
+                "qemu-system-x86_64",
+                "-accel",
+                "tcg,thread=multi",
+                "-cpu",
+                "max",
+                "-machine",
+                "q35",
+                "-smp",
+                str(self.cpus),
+                "-m",
+                str(self.memory_mib),
+                "-kernel",
+                str(image / "vmlinuz"),
+                "-initrd",
+                str(image / "initrd.img"),
+                "-append",
+                "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1",
+                "-drive",
+                "file=%s,format=qcow2,if=virtio,cache=unsafe" % overlay,
+                "-netdev",
+                "user,id=n0,hostfwd=tcp:127.0.0.1:%d-:22" % self.port,
+                "-device",
+                "virtio-net-pci,netdev=n0",
+                "-display",
+                "none",
+                "-serial",
+                "file:%s" % self.console,
+                "-monitor",
+                "none",
+                "-daemonize",
+                "-pidfile",
+                str(self.workdir / "qemu.pid"),
+            ],
+            check=True,
+        )
+        self.pid = int((self.workdir / "qemu.pid").read_text())
+        try:
+            self.wait_running()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def wait_running(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = self.ssh("systemctl is-system-running --wait", timeout=120, check=False)
+            if result.stdout.strip() in ("running", "degraded"):
+                return
+            time.sleep(2)
+        raise RuntimeError("the VM did not come up: %s" % self.console.read_text(errors="replace")[-3000:])
+
+    def __exit__(self, *exc) -> None:
+        if self.pid:
+            self.ssh("systemctl poweroff", timeout=20, check=False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and pathlib.Path("/proc/%d" % self.pid).exists():
+                time.sleep(0.5)
+            if pathlib.Path("/proc/%d" % self.pid).exists():
+                os.kill(self.pid, signal.SIGKILL)
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def ssh(self, command: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            ["ssh", "-i", str(nspawn.KEY), "-p", str(self.port), *nspawn.SSH_OPTIONS, "root@127.0.0.1", command],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError("%s failed (%d): %s%s" % (command, result.returncode, result.stdout, result.stderr))
+        return result
+
+    def inventory(self, directory: pathlib.Path, **host_vars) -> pathlib.Path:
+        return nspawn.write_inventory(directory, self.port, **host_vars)
+
+
+def available() -> str | None:
+    reason = nspawn.available()
+    if reason:
+        return reason
+    for tool in ("qemu-system-x86_64", "qemu-img", "mkfs.ext4"):
+        if shutil.which(tool) is None:
+            return "needs %s (scripts/bootstrap --test installs it)" % tool
+    return None
