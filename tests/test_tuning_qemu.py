@@ -58,7 +58,9 @@ def test_the_kernel_holds_the_plan(vm, workdir, tuned):
     swaps = [line.split() for line in vm.ssh("cat /proc/swaps").stdout.splitlines()[1:]]
     zram = [row for row in swaps if row[0] == "/dev/zram0"]
     assert zram, swaps
-    assert int(zram[0][2]) * 1024 == knobs["zram"]["value"]["size_bytes"]
+    assert int(vm.ssh("cat /sys/block/zram0/disksize").stdout) == knobs["zram"]["value"]["size_bytes"]
+    assert int(zram[0][2]) * 1024 == knobs["zram"]["value"]["size_bytes"] - 4096  # /proc/swaps omits the header page
+    assert "[%s]" % knobs["zram"]["value"]["algorithm"] in vm.ssh("cat /sys/block/zram0/comp_algorithm").stdout
     effective = vm.ssh("cat /sys/fs/cgroup/vlserve.slice/cpuset.cpus.effective").stdout.strip()
     assert effective == "1" and knobs["cpu_isolation"]["value"]["cpus"] == [1]
     assert report["summary"]["drift"] == 0, report["knobs"]
