@@ -1,4 +1,4 @@
-"""Jinja filters for the vlserve roles, from the sizing engine itself (one source for CPU lists)."""
+"""Jinja filters for the vlserve roles, from the vlserve package's own files (one source for both)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,24 @@ import importlib.util
 import pathlib
 import sys
 
-_NAME = "vlserve_sizing_for_filters"
-if _NAME not in sys.modules:  # the file itself, so the controller needs nothing installed for it
-    _spec = importlib.util.spec_from_file_location(
-        _NAME, pathlib.Path(__file__).resolve().parent.parent / "service" / "vlserve" / "sizing.py"
-    )
-    sys.modules[_NAME] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up here
-    _spec.loader.exec_module(sys.modules[_NAME])
-sizing = sys.modules[_NAME]
+_PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "service" / "vlserve"
+
+
+def _load(name: str):
+    """A module of the vlserve package by path, so the controller needs nothing installed for it."""
+    qualified = "vlserve_for_filters_" + name
+    if qualified not in sys.modules:
+        spec = importlib.util.spec_from_file_location(qualified, _PACKAGE / (name + ".py"))
+        sys.modules[qualified] = importlib.util.module_from_spec(spec)  # dataclasses look their module up here
+        spec.loader.exec_module(sys.modules[qualified])
+    return sys.modules[qualified]
 
 
 class FilterModule:
     def filters(self):
         return {
             # [0, 1, 2, 5] -> "0-2,5", the form of AllowedCPUs=, taskset and the kernel
-            "vlserve_cpu_list": sizing.format_cpu_list,
+            "vlserve_cpu_list": _load("sizing").format_cpu_list,
+            # plan + the deploy role's options -> the unit templates' context
+            "vlserve_units_context": _load("units").units_context,
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import pathlib
 import sys
 import types
 import typing
@@ -177,6 +178,46 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     return 0
 
 
+REPO_TEMPLATES = pathlib.Path(__file__).resolve().parent.parent.parent / "templates"
+DEPLOY_DEFAULTS = (
+    pathlib.Path(__file__).resolve().parent.parent.parent / "roles" / "vlserve_deploy" / "defaults" / "main.yml"
+)
+MANAGED = "Managed by vlserve render-units: local changes will be overwritten."
+
+
+def cmd_render_units(args: argparse.Namespace) -> int:
+    """The deploy role's files, rendered from the same templates and context, for hosts without Ansible."""
+    import yaml  # noqa: PLC0415
+
+    from vlserve.units import render_all, units_context  # noqa: PLC0415
+
+    facts = _load_facts(args.facts)
+    try:
+        policy = _policy_from_args(args)
+        result = sizing.plan(facts, policy)
+    except (ValueError, sizing.PlanError) as error:
+        print("vlserve render-units: %s" % error, file=sys.stderr)
+        return 1
+    prefix = "vlserve_deploy_"
+    options = {k[len(prefix) :]: v for k, v in yaml.safe_load(DEPLOY_DEFAULTS.read_text()).items()}
+    for name in ("model_dir", "front_port", "api_key", "user", "install_dir"):
+        if getattr(args, "deploy_" + name) is not None:
+            options[name] = getattr(args, "deploy_" + name)
+    files = render_all(pathlib.Path(args.templates), units_context(result, options), MANAGED)
+    out = pathlib.Path(args.out)
+    for path, text in sorted(files.items()):
+        target = out / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        print(target)
+    print(
+        "%d worker(s); copy the tree to / on the host, then: systemctl daemon-reload && "
+        "systemctl enable --now vlserve.target" % len(result["worker_list"]),
+        file=sys.stderr,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlserve", description=__doc__)
     parser.add_argument("--version", action="version", version="vlserve " + __version__)
@@ -202,6 +243,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_settings_flags(serve)
     serve.set_defaults(handler=cmd_serve)
+
+    render = commands.add_parser(
+        "render-units", help="write the systemd units and front config for this host's plan (no Ansible needed)"
+    )
+    render.add_argument("--out", required=True, help="directory to write the file tree into (mirrors /)")
+    render.add_argument("--facts", metavar="FILE", help="facts JSON to plan for (default: probe this host)")
+    render.add_argument(
+        "--templates", default=str(REPO_TEMPLATES), help="the templates directory (default: %(default)s)"
+    )
+    render.add_argument("--model-dir", dest="deploy_model_dir", help="model directory on the host")
+    render.add_argument("--front-port", dest="deploy_front_port", type=int, help="port of the front")
+    render.add_argument("--api-key", dest="deploy_api_key", help="API key the front requires")
+    render.add_argument("--user", dest="deploy_user", help="user the workers run as")
+    render.add_argument("--install-dir", dest="deploy_install_dir", help="where the service's venv is")
+    _add_policy_flags(render)
+    render.set_defaults(handler=cmd_render_units)
 
     test_model = commands.add_parser(
         "make-test-model", help="write a Qwen3-VL checkpoint with random weights, offline (tests, benchmarks)"

@@ -1,0 +1,138 @@
+"""The deployment on a real systemd host (systemd-nspawn): site.yml end to end with the tiny model.
+
+torch's CPU wheel is copied from this machine (the air-gapped path); the tiny model comes from
+the controller. Two workers (one thread each on the guest's 2 CPUs) behind the HAProxy front.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from conftest import VENV_BIN, free_port
+from harness import nspawn
+from harness.playbooks import audit, play, recap
+from sample_images import image_question, png_bytes
+
+REASON = nspawn.available()
+if REASON and os.environ.get("CI"):
+    raise RuntimeError("the systemd tier must run in CI: %s" % REASON)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("deploy")
+
+
+@pytest.fixture(scope="module")
+def torch_wheel(workdir):
+    """The CPU torch wheel as pip on this machine finds it (the deploy role installs from it)."""
+    target = workdir / "wheels"
+    subprocess.run(
+        [str(VENV_BIN / "pip"), "download", "-q", "--no-deps", "-d", str(target), "torch==2.13.0"],
+        check=True,
+        timeout=600,
+    )
+    return str(next(target.glob("torch-*.whl")))
+
+
+@pytest.fixture(scope="module")
+def host_vars(tiny_model, torch_wheel):
+    return {
+        "vlserve_deploy_model_source": "controller",
+        "vlserve_deploy_model_controller_dir": str(tiny_model),
+        "vlserve_deploy_torch_source": "wheels",
+        "vlserve_deploy_wheels": [torch_wheel],
+        "vlserve_deploy_front_port": free_port(),
+        "vlserve_facts_base_port": free_port(),
+        "vlserve_facts_min_threads_per_worker": 1,  # two workers on two CPUs
+    }
+
+
+@pytest.fixture(scope="module")
+def guest():
+    with nspawn.NspawnHost() as host:
+        yield host
+
+
+@pytest.fixture(scope="module")
+def deployed(guest, workdir, host_vars):
+    result = play(guest, workdir, "site.yml", **host_vars)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return result
+
+
+def front(host_vars) -> str:
+    return "http://127.0.0.1:%d" % host_vars["vlserve_deploy_front_port"]
+
+
+def ask(host_vars, timeout=60):
+    return httpx.post(
+        front(host_vars) + "/v1/chat/completions", json=image_question(png_bytes(), max_tokens=4), timeout=timeout
+    )
+
+
+def test_the_front_answers_a_question_about_an_image(deployed, host_vars):
+    response = ask(host_vars)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "Ask the front a real question about an image" in deployed.stdout
+
+
+def test_the_workers_follow_the_plan(guest, workdir, deployed, host_vars):
+    plan = audit(guest, workdir, **host_vars)["plan"]
+    assert len(plan["worker_list"]) == 2
+    assert guest.ssh("systemctl is-active vlserve.target").stdout.strip() == "active"
+    running = guest.ssh("systemctl list-units --state=running --no-legend 'vlserve@*.service'").stdout
+    assert len(running.strip().splitlines()) == len(plan["worker_list"])
+    for worker in plan["worker_list"]:
+        pid = guest.ssh("systemctl show -p MainPID --value vlserve@%d.service" % worker["index"]).stdout.strip()
+        status = guest.ssh("cat /proc/%s/status" % pid).stdout
+        allowed = re.search(r"Cpus_allowed_list:\s*(\S+)", status).group(1)
+        assert allowed == ",".join(str(c) for c in sorted(worker["cpus"] + worker["sibling_cpus"]))
+        environ = dict(
+            line.split("=", 1)
+            for line in guest.ssh("tr '\\0' '\\n' < /proc/%s/environ" % pid).stdout.splitlines()
+            if "=" in line
+        )
+        assert environ["OMP_NUM_THREADS"] == str(worker["threads"]) == "1"
+        assert environ["OMP_PLACES"] == worker["environment"]["OMP_PLACES"]
+        assert environ["VLSERVE_PORT"] == str(worker["port"])
+        assert guest.ssh("ps -o user= -p %s" % pid).stdout.strip() == "vlserve"
+
+
+def test_second_run_changes_nothing(guest, workdir, deployed, host_vars):
+    result = play(guest, workdir, "site.yml", **host_vars)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert recap(result)["changed"] == 0, result.stdout[-6000:]
+
+
+def test_check_mode_changes_nothing(guest, workdir, deployed, host_vars):
+    before = guest.tree_digest("/etc", "/opt/vlserve")
+    result = play(guest, workdir, "site.yml", check=True, **host_vars)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert recap(result)["changed"] == 0, result.stdout[-6000:]
+    assert guest.tree_digest("/etc", "/opt/vlserve") == before
+
+
+def test_worker_unit_exposure_is_at_most_2(guest, deployed):
+    text = guest.ssh("systemd-analyze security --no-pager vlserve@0.service").stdout
+    level = float(re.search(r"Overall exposure level for vlserve@0\.service: (\d+\.\d+)", text).group(1))
+    assert level <= 2.0, text[-3000:]
+
+
+def test_stop_and_start_the_whole_service(guest, deployed, host_vars):
+    guest.ssh("systemctl stop vlserve.target")
+    assert guest.ssh("systemctl list-units --state=running --no-legend 'vlserve*'").stdout.strip() == ""
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(front(host_vars) + "/v1/models", timeout=5)
+    started = time.monotonic()
+    guest.ssh("systemctl start vlserve.target")  # returns once every worker is ready (READY=1)
+    assert ask(host_vars).status_code == 200
+    assert time.monotonic() - started < 120
