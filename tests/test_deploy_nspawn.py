@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 import time
 
 import httpx
@@ -136,3 +137,81 @@ def test_stop_and_start_the_whole_service(guest, deployed, host_vars):
     guest.ssh("systemctl start vlserve.target")  # returns once every worker is ready (READY=1)
     assert ask(host_vars).status_code == 200
     assert time.monotonic() - started < 120
+
+
+class Client(threading.Thread):
+    """Asks the front again and again until stopped; keeps the outcome of every request."""
+
+    def __init__(self, host_vars):
+        super().__init__(daemon=True)
+        self.host_vars, self.outcomes, self.running = host_vars, [], True
+
+    def run(self):
+        while self.running:
+            try:
+                status = ask(self.host_vars, timeout=60).status_code
+            except httpx.HTTPError as error:
+                status = type(error).__name__
+            self.outcomes.append(status)
+
+    def stop(self):
+        self.running = False
+        self.join(90)
+        return self.outcomes
+
+
+def main_pid(guest, index) -> str:
+    return guest.ssh("systemctl show -p MainPID --value vlserve@%d.service" % index).stdout.strip()
+
+
+def test_a_killed_worker_is_restarted_and_the_front_routes_around_it(guest, deployed, host_vars):
+    before = main_pid(guest, 0)
+    client = Client(host_vars)
+    client.start()
+    time.sleep(3)
+    guest.ssh("kill -9 %s" % before)
+    deadline = time.monotonic() + 90
+    while not (
+        main_pid(guest, 0) not in ("0", before)
+        and guest.ssh("systemctl is-active vlserve@0.service", check=False).stdout.strip() == "active"
+    ):
+        assert time.monotonic() < deadline, "systemd did not bring the killed worker back"
+        time.sleep(1)
+    time.sleep(3)
+    outcomes = client.stop()
+    failures = [o for o in outcomes if o != 200]
+    assert len(outcomes) > 20
+    assert len(failures) <= 1, failures  # at most the one request inside the killed worker
+
+
+def test_a_changed_setting_restarts_workers_one_at_a_time_without_a_failed_request(guest, workdir, deployed, host_vars):
+    pids = [main_pid(guest, 0), main_pid(guest, 1)]
+    client = Client(host_vars)
+    client.start()
+    result = play(guest, workdir, "site.yml", **dict(host_vars, vlserve_deploy_settings={"max_pixels": 40000}))
+    outcomes = client.stop()
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "Restart the workers one at a time" in result.stdout
+    assert [main_pid(guest, 0), main_pid(guest, 1)] != pids and "0" not in [main_pid(guest, 0), main_pid(guest, 1)]
+    assert all(pid not in pids for pid in (main_pid(guest, 0), main_pid(guest, 1)))
+    assert "VLSERVE_MAX_PIXELS=40000" in guest.ssh("cat /etc/vlserve/vlserve.env").stdout
+    assert outcomes and all(o == 200 for o in outcomes), [o for o in outcomes if o != 200]
+
+
+def test_a_missing_model_fails_the_unit_fast_and_the_play_says_why(guest, workdir, deployed, host_vars, tmp_path):
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    (empty / "README").write_text("not a checkpoint\n")
+    broken = dict(host_vars, vlserve_deploy_model_controller_dir=str(empty), vlserve_deploy_model_dir="/srv/no-model")
+    started = time.monotonic()
+    result = play(guest, workdir, "site.yml", **broken)
+    assert result.returncode != 0
+    assert "has no config.json: not a Hugging Face checkpoint" in result.stdout, result.stdout[-3000:]
+    assert time.monotonic() - started < 300
+    journal = guest.ssh("journalctl -u vlserve@0.service --no-pager -n 30 -o cat").stdout
+    assert "cannot start: /srv/no-model has no config.json" in journal
+    assert guest.ssh("systemctl is-failed vlserve@0.service", check=False).stdout.strip() == "failed"
+    # Back to the good model: the same play repairs the host.
+    repaired = play(guest, workdir, "site.yml", **host_vars)
+    assert repaired.returncode == 0, repaired.stdout[-4000:]
+    assert ask(host_vars).status_code == 200
