@@ -215,3 +215,24 @@ def test_a_missing_model_fails_the_unit_fast_and_the_play_says_why(guest, workdi
     repaired = play(guest, workdir, "site.yml", **host_vars)
     assert repaired.returncode == 0, repaired.stdout[-4000:]
     assert ask(host_vars).status_code == 200
+
+
+def test_the_front_enforces_the_upload_limit_and_the_api_key(guest, workdir, deployed, host_vars):
+    too_big = httpx.post(
+        front(host_vars) + "/v1/chat/completions",
+        content=b"x" * (21 * 2**20),
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
+    assert too_big.status_code == 413
+    assert too_big.json()["error"]["code"] == "request_too_large"
+    keyed = dict(host_vars, vlserve_deploy_api_key="s3cret-key")
+    result = play(guest, workdir, "site.yml", **keyed)
+    assert result.returncode == 0, result.stdout[-4000:]
+    refused = httpx.get(front(host_vars) + "/v1/models", timeout=10)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    allowed = httpx.get(front(host_vars) + "/v1/models", headers={"Authorization": "Bearer s3cret-key"}, timeout=10)
+    assert allowed.status_code == 200
+    assert "s3cret-key" not in result.stdout  # no_log: the key stays out of the play's output
+    assert play(guest, workdir, "site.yml", **host_vars).returncode == 0
+    assert httpx.get(front(host_vars) + "/v1/models", timeout=10).status_code == 200

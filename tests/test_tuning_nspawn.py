@@ -50,7 +50,7 @@ def workdir(tmp_path_factory):
 )
 def test_bad_values_fail_before_any_change(guest, workdir, variable, value, message):
     before = guest.tree_digest(*ETC)
-    result = play(guest, workdir, "site.yml", "-e", json.dumps({variable: value}))
+    result = play(guest, workdir, "site.yml", "-e", json.dumps({variable: value}))  # stops before anything
     assert result.returncode != 0
     assert message in result.stdout
     assert recap(result)["changed"] == 0
@@ -69,20 +69,20 @@ def test_audit_before_tuning_shows_drift(guest, workdir):
 
 
 def test_site_applies(guest, workdir):
-    result = play(guest, workdir, "site.yml")
+    result = play(guest, workdir, "playbooks/tune.yml")
     assert result.returncode == 0, result.stdout[-4000:]
     assert recap(result)["changed"] > 0
 
 
 def test_second_run_changes_nothing(guest, workdir):
-    result = play(guest, workdir, "site.yml")
+    result = play(guest, workdir, "playbooks/tune.yml")
     assert result.returncode == 0, result.stdout[-4000:]
     assert recap(result)["changed"] == 0, result.stdout[-4000:]
 
 
 def test_check_mode_changes_nothing_under_etc(guest, workdir):
     before = guest.tree_digest(*ETC)
-    result = play(guest, workdir, "site.yml", check=True)
+    result = play(guest, workdir, "playbooks/tune.yml", check=True)
     assert result.returncode == 0, result.stdout[-4000:]
     assert recap(result)["changed"] == 0
     assert guest.tree_digest(*ETC) == before
@@ -137,7 +137,7 @@ def test_paths_this_machine_cannot_exercise(guest, workdir):
     )
     bare["memory"]["zram"]["available"] = False
     bare["sysctl"] = {"vm.swappiness": 10, "vm.page-cluster": 3}  # nothing to apply to a container's /proc
-    result = play(guest, workdir, "site.yml", "-e", json.dumps({"vlserve_facts_captured": bare}))
+    result = play(guest, workdir, "playbooks/tune.yml", "-e", json.dumps({"vlserve_facts_captured": bare}))
     assert result.returncode == 0, result.stdout[-4000:]
     unit = guest.ssh("cat /etc/systemd/system/vlserve-cpu-governor.service").stdout
     assert 'echo performance > "$f"' in unit and "energy_performance_preference" in unit
@@ -154,7 +154,7 @@ def test_paths_this_machine_cannot_exercise(guest, workdir):
     result = play(
         guest,
         workdir,
-        "site.yml",
+        "playbooks/tune.yml",
         "-e",
         json.dumps({"vlserve_facts_captured": wsl}),
         vlserve_wsl_windows_profile="/root/winprofile",

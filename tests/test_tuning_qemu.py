@@ -36,9 +36,9 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tuned(vm, workdir):
-    first = play(vm, workdir, "site.yml", **HOST_VARS)
+    first = play(vm, workdir, "playbooks/tune.yml", **HOST_VARS)
     assert first.returncode == 0, first.stdout[-5000:]
-    second = play(vm, workdir, "site.yml", **HOST_VARS)
+    second = play(vm, workdir, "playbooks/tune.yml", **HOST_VARS)
     assert second.returncode == 0, second.stdout[-5000:]
     return first, second
 

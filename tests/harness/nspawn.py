@@ -8,34 +8,19 @@ config files there and the audit reports those knobs as not applicable in a cont
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pathlib
 import shutil
 import signal
 import subprocess
-import time
 
-REPO = pathlib.Path(__file__).resolve().parent.parent.parent
-CACHE = pathlib.Path(os.environ.get("VLSERVE_HARNESS_DIR", "/var/tmp/vlserve-harness"))
+from harness.host import CACHE, REPO, SshHost
+
 ROOTFS = CACHE / "bookworm"
-KEY = CACHE / "bookworm.key"
 SSH_PORT = 2222  # fixed in the rootfs: one container at a time
 CGROUP_DIRS = [
     pathlib.Path("/sys/fs/cgroup/unified/vlserve-harness"),
     pathlib.Path("/sys/fs/cgroup/systemd/vlserve-harness"),
-]
-SSH_OPTIONS = [
-    "-o",
-    "StrictHostKeyChecking=no",
-    "-o",
-    "UserKnownHostsFile=/dev/null",
-    "-o",
-    "LogLevel=ERROR",
-    "-o",
-    "BatchMode=yes",
-    "-o",
-    "ConnectTimeout=5",
 ]
 
 
@@ -47,11 +32,12 @@ def ensure_rootfs(rebuild: bool = False) -> pathlib.Path:
     return ROOTFS
 
 
-class NspawnHost:
+class NspawnHost(SshHost):
     """`with NspawnHost() as host:` boots a throwaway copy of the rootfs (`-x`) and powers it off after."""
 
     def __init__(self, name: str = "vlserve-guest"):
         self.name = name
+        self.port = SSH_PORT
         self.process: subprocess.Popen | None = None
         self.console = CACHE / ("%s.console.log" % name)
 
@@ -86,22 +72,14 @@ class NspawnHost:
                 env=env,
             )
         try:
-            self.wait_running()
+            self.wait_running(timeout=120)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
-    def wait_running(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError("systemd-nspawn exited: %s" % self.console.read_text(errors="replace")[-2000:])
-            result = self.ssh("systemctl is-system-running --wait", timeout=60, check=False)
-            if result.stdout.strip() in ("running", "degraded"):
-                return
-            time.sleep(0.5)
-        raise RuntimeError("the container did not come up: %s" % self.console.read_text(errors="replace")[-2000:])
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -119,45 +97,6 @@ class NspawnHost:
                 if path.is_dir():
                     with contextlib.suppress(OSError):  # still in use: reused next time
                         path.rmdir()
-
-    # -- talking to it ------------------------------------------------------------------------
-
-    def ssh(self, command: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            ["ssh", "-i", str(KEY), "-p", str(SSH_PORT), *SSH_OPTIONS, "root@127.0.0.1", command],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if check and result.returncode != 0:
-            raise RuntimeError("%s failed (%d): %s%s" % (command, result.returncode, result.stdout, result.stderr))
-        return result
-
-    def inventory(self, directory: pathlib.Path, **host_vars) -> pathlib.Path:
-        return write_inventory(directory, SSH_PORT, **host_vars)
-
-    def tree_digest(self, *paths: str) -> str:
-        """One line per file under the paths: path, mode, size and sha256; compare two to see any change."""
-        command = "find %s -xdev -type f -print0 2>/dev/null | sort -z | xargs -0 -r sha256sum; " % " ".join(paths)
-        command += "find %s -xdev -printf '%%p %%m %%s %%l\\n' 2>/dev/null | sort" % " ".join(paths)
-        return self.ssh(command).stdout
-
-
-def write_inventory(directory: pathlib.Path, port: int, **host_vars) -> pathlib.Path:
-    """An inventory that reaches a harness host on a loopback port as `guest`, with extra host variables."""
-    values = {
-        "ansible_host": "127.0.0.1",
-        "ansible_port": port,
-        "ansible_user": "root",
-        "ansible_ssh_private_key_file": str(KEY),
-        "ansible_ssh_common_args": " ".join(SSH_OPTIONS),
-        "ansible_python_interpreter": "/usr/bin/python3",
-        **host_vars,
-    }
-    path = directory / "inventory.json"
-    path.write_text(json.dumps({"all": {"hosts": {"guest": values}}}, indent=2))
-    return path
 
 
 def _child_of(pid: int) -> int | None:

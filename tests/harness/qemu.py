@@ -16,6 +16,7 @@ import subprocess
 import time
 
 from harness import nspawn
+from harness.host import SshHost
 
 IMAGE_DIR = nspawn.CACHE / "vm"
 
@@ -35,7 +36,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class QemuHost:
+class QemuHost(SshHost):
     """`with QemuHost() as vm:` boots a throwaway overlay of the image and powers it off after."""
 
     def __init__(self, memory_mib: int = 8192, cpus: int = 2):
@@ -96,20 +97,14 @@ class QemuHost:
         )
         self.pid = int((self.workdir / "qemu.pid").read_text())
         try:
-            self.wait_running()
+            self.wait_running(timeout=300)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
-    def wait_running(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            result = self.ssh("systemctl is-system-running --wait", timeout=120, check=False)
-            if result.stdout.strip() in ("running", "degraded"):
-                return
-            time.sleep(2)
-        raise RuntimeError("the VM did not come up: %s" % self.console.read_text(errors="replace")[-3000:])
+    def alive(self) -> bool:
+        return self.pid is not None and pathlib.Path("/proc/%d" % self.pid).exists()
 
     def __exit__(self, *exc) -> None:
         if self.pid:
@@ -121,21 +116,6 @@ class QemuHost:
                 os.kill(self.pid, signal.SIGKILL)
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def ssh(self, command: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            ["ssh", "-i", str(nspawn.KEY), "-p", str(self.port), *nspawn.SSH_OPTIONS, "root@127.0.0.1", command],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if check and result.returncode != 0:
-            raise RuntimeError("%s failed (%d): %s%s" % (command, result.returncode, result.stdout, result.stderr))
-        return result
-
-    def inventory(self, directory: pathlib.Path, **host_vars) -> pathlib.Path:
-        return nspawn.write_inventory(directory, self.port, **host_vars)
 
 
 def available() -> str | None:
