@@ -12,6 +12,7 @@ from PIL import Image
 
 from conftest import run_tool
 from vlserve.engine import ContextLengthExceeded, Engine, ImageInput, RequestTimeout
+from vlserve.packing import PackedLinear, packing_supported
 from vlserve.sampling import SamplingParams
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -198,3 +199,36 @@ def test_context_limit(engine):
     long = engine.prepare([{"role": "user", "content": "word " * 2000}])
     with pytest.raises(ContextLengthExceeded):
         engine.resolve_max_tokens(long, None)
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
+def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path):
+    """Packing changes the weights' layout, not the math: same greedy tokens, logits equal to bf16 rounding."""
+    directory = tmp_path / "tiny-bf16"
+    assert run_tool("vlserve", "make-test-model", str(directory)).returncode == 0
+    engines = {}
+    for packed in (False, True):
+        engines[packed] = Engine(
+            ModelSettings(model=directory, dtype="bfloat16", packed_weights=packed),
+            LimitSettings(max_batch_size=4, max_context_tokens=1024, request_timeout_s=30),
+        )
+        engines[packed].load()
+        engines[packed].mark_ready()
+    try:
+        assert engines[True].packed and not engines[False].packed
+        layers = [m for m in engines[True].model.modules() if isinstance(m, PackedLinear)]
+        assert (
+            len(layers) == 7 * engines[True].model.config.text_config.num_hidden_layers + 1
+        )  # q k v o gate up down, head
+        assert not any(isinstance(m, PackedLinear) for m in engines[False].model.modules())
+        for conversation in CONVERSATIONS:
+            plain, _ = run(engines[False], conversation, tokens=12, ignore_eos=True)
+            packed, _ = run(engines[True], conversation, tokens=12, ignore_eos=True)
+            assert packed.generated == plain.generated
+        ids = torch.arange(40)[None]
+        with torch.inference_mode():
+            logits = [engines[p].model(input_ids=ids).logits.float() for p in (False, True)]
+        assert torch.allclose(logits[0], logits[1], atol=2e-2, rtol=2e-2)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()

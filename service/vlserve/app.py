@@ -213,7 +213,8 @@ def create_app(
                 engine.warmup(status=notify.status)
             engine.mark_ready()
             notify.ready(
-                "ready: %s, %s, %d threads" % (settings.server.served_model_name, engine.dtype, engine.threads)
+                "ready: %s, %s%s, %d threads"
+                % (settings.server.served_model_name, engine.dtype, " packed" if engine.packed else "", engine.threads)
             )
             log.info("ready on %s:%d", settings.server.host, settings.server.port)
         except Exception as error:
@@ -311,7 +312,14 @@ def create_app(
     @app.get("/readyz", include_in_schema=False)
     async def readyz():
         if engine.ready:
-            return {"status": "ready", "queue_depth": engine.queue_depth, "running": engine.running}
+            return {
+                "status": "ready",
+                "queue_depth": engine.queue_depth,
+                "running": engine.running,
+                "dtype": engine.dtype,
+                "threads": engine.threads,
+                "packed_weights": engine.packed,
+            }
         return error_response(
             APIError(503, "the model is %s" % engine.state, "service_unavailable", code="not_ready", retry_after=5)
         )

@@ -31,6 +31,7 @@ from vlserve import sizing
 from vlserve.batch import BatchState
 from vlserve.caches import LRUCache
 from vlserve.metrics import Metrics
+from vlserve.packing import pack_language_model, packing_supported
 from vlserve.sampling import SamplingParams, next_tokens
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -179,6 +180,7 @@ class Engine:
         self.processor = None
         self.dtype: str | None = None
         self.threads: int | None = None
+        self.packed = False
         self.result_cache = LRUCache(limits.result_cache_entries)
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=_feature_bytes)
         self._queue: collections.deque[Sequence] = collections.deque()
@@ -219,20 +221,19 @@ class Engine:
         started = time.monotonic()
         model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, self.dtype))
         model.eval()
+        self.packed = False
+        if self.model_settings.packed_weights and packing_supported(model.dtype):
+            status("packing weights for oneDNN")
+            packed = pack_language_model(model)
+            self.packed = True
+            log.info("packed %d linear layers for oneDNN", packed)
         self.processor, self.model = processor, model
         tokenizer = processor.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
         self.eos_ids.discard(None)
-        log.info(
-            "loaded %s in %.1f s: %s, %d threads, %.2f B parameters",
-            path,
-            time.monotonic() - started,
-            self.dtype,
-            self.threads,
-            sum(p.numel() for p in model.parameters()) / 1e9,
-        )
+        log.info("loaded %s in %.1f s: %s, %d threads", path, time.monotonic() - started, self.dtype, self.threads)
         self._thread = threading.Thread(target=self._run, name="vlserve-scheduler", daemon=True)
         self._thread.start()
 

@@ -551,6 +551,7 @@ class ModelFootprint:
     text_layers: int
     kv_heads: int
     head_dim: int
+    tied_head_parameters: int  # the output head shares the input embedding's weights in the checkpoint
     activation_bytes: int
     runtime_bytes: int
     provenance: str
@@ -564,6 +565,7 @@ FOOTPRINTS = {
         text_layers=28,
         kv_heads=8,
         head_dim=128,
+        tied_head_parameters=151_936 * 2048,
         activation_bytes=GIB // 2,
         runtime_bytes=GIB // 2,
         provenance=(
@@ -571,7 +573,8 @@ FOOTPRINTS = {
             "measured at 4.4 GB for 4.26 GB of weights with torch 2.13.0+cpu (shared/MODEL.md), so "
             "0.5 GiB covers the runtime (Python, torch, tokenizer, HTTP); activations: 0.5 GiB "
             "budget for a capped image through the vision tower and a batched prefill, an estimate "
-            "until the service measures its peak"
+            "until the service measures its peak; in bfloat16 the service packs the output head "
+            "into its own copy for oneDNN (vlserve/packing.py), so the tied head counts twice"
         ),
     ),
 }
@@ -732,10 +735,18 @@ def _gib(value: float) -> str:
 MIN_CONTEXT_TOKENS = 2048  # a capped image (~200 tokens), a long question and a long answer
 
 
-def worker_memory(footprint: ModelFootprint, dtype: str, batch_size: int, context_tokens: int) -> dict[str, int]:
-    """Per-worker memory: steady state (weights + KV + activations + runtime) and the load peak."""
+def worker_memory(
+    footprint: ModelFootprint, dtype: str, batch_size: int, context_tokens: int, packed: bool = False
+) -> dict[str, int]:
+    """Per-worker memory: steady state (weights + KV + activations + runtime) and the load peak.
+
+    `packed`: the service's oneDNN-packed bfloat16 weights (vlserve/packing.py), where the tied output
+    head gets its own copy.
+    """
     width = DTYPE_BYTES[dtype]
     weights = footprint.parameters * width
+    if packed:
+        weights += footprint.tied_head_parameters * width
     kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * batch_size * context_tokens
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
     # Loading into another dtype than the checkpoint's holds both copies for a moment
@@ -759,10 +770,21 @@ def worker_memory(footprint: ModelFootprint, dtype: str, batch_size: int, contex
 
 
 def _fit_worker(footprint: ModelFootprint, dtype: str, policy: Policy, available: int):
-    """The largest batch, then context, up to the policy's, with which one worker fits in `available`."""
+    """The largest batch, then context, up to the policy's, with which one worker fits in `available`.
+
+    Packed weights (faster decode, one more copy of the output head) only where the policy's whole
+    batch and context fit with them; a tight host keeps its batch instead.
+    """
     batch, context = policy.max_batch_size, policy.max_context_tokens
+    packed = dtype == "bfloat16" and worker_memory(footprint, dtype, batch, context, True)["high_bytes"] <= available
+    if packed:
+        packed_why = "bfloat16: the language model's weights are packed for oneDNN at load (faster decode)"
+    elif dtype == "bfloat16":
+        packed_why = "not packed: the packed output head's extra copy does not fit beside the policy's batch"
+    else:
+        packed_why = "not packed: packing applies to bfloat16 weights only"
     while True:
-        need = worker_memory(footprint, dtype, batch, context)
+        need = worker_memory(footprint, dtype, batch, context, packed)
         if need["high_bytes"] <= available:
             break
         if batch > 1:
@@ -794,7 +816,7 @@ def _fit_worker(footprint: ModelFootprint, dtype: str, policy: Policy, available
             policy.max_context_tokens,
             _gib(available),
         )
-    return need, batch, context, why
+    return need, batch, context, why, packed, packed_why
 
 
 def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
@@ -808,7 +830,9 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
     cores = _plan_cores(cpu, limits, policy)
     budget = _plan_memory_budget(memory, limits, policy)
     dtype, dtype_why = _plan_dtype(cpu, footprint, policy, budget["available_bytes"])
-    per_worker, batch, context, batch_why = _fit_worker(footprint, dtype, policy, budget["available_bytes"])
+    per_worker, batch, context, batch_why, packed, packed_why = _fit_worker(
+        footprint, dtype, policy, budget["available_bytes"]
+    )
     by_memory = budget["available_bytes"] // per_worker["high_bytes"]
     workers = _plan_workers(cores["by_node"], policy, by_memory)
     count = len(workers)
@@ -849,6 +873,7 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
                     "VLSERVE_DTYPE": dtype,
                     "VLSERVE_MAX_BATCH_SIZE": str(batch),
                     "VLSERVE_MAX_CONTEXT_TOKENS": str(context),
+                    "VLSERVE_PACKED_WEIGHTS": "true" if packed else "false",
                 },
             }
         )
@@ -864,6 +889,8 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
             "max_batch_size": batch,
             "max_context_tokens": context,
             "batch_why": batch_why,
+            "packed_weights": packed,
+            "packed_why": packed_why,
             "footprint_provenance": footprint.provenance,
         },
         "cores": {key: cores[key] for key in ("allowed", "candidates", "housekeeping", "usable", "why")},
@@ -1234,6 +1261,7 @@ def render_plan(result: dict[str, Any]) -> str:
         ("workers", "%d  (%s)" % (result["workers"]["count"], result["workers"]["why"])),
         ("dtype", "%s  (%s)" % (result["model"]["dtype"], result["model"]["why"])),
         ("batch", result["model"]["batch_why"]),
+        ("weights", result["model"]["packed_why"]),
         ("cores", result["cores"]["why"]),
         ("memory", memory["why"]),
         ("reserve", "%s  (%s)" % (_gib(memory["reserve_bytes"]), memory["reserve_why"])),
