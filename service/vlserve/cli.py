@@ -218,6 +218,154 @@ def cmd_render_units(args: argparse.Namespace) -> int:
     return 0
 
 
+def _image_size(text: str) -> tuple[int, int] | None:
+    from vlserve.bench.workload import parse_size  # noqa: PLC0415
+
+    if text.lower() == "none":
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if path:
+        pathlib.Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from vlserve.bench.loadgen import LoadSpec, render_report, run_load  # noqa: PLC0415
+    from vlserve.bench.workload import Workload  # noqa: PLC0415
+
+    if args.requests is None and args.duration is None:
+        args.requests = 16
+    workload = Workload(
+        image_size=args.image_size,
+        max_tokens=args.max_tokens,
+        ignore_eos=not args.no_ignore_eos,
+        distinct_images=not args.same_image,
+        seed=args.seed,
+    )
+    report = run_load(
+        LoadSpec(
+            urls=args.url,
+            payload=lambda index: workload.payload(index, args.model),
+            requests=args.requests,
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            rate=args.rate,
+            warmup=args.warmup,
+            api_key=args.api_key,
+            server_pids=args.server_pid,
+            progress=not args.json,
+            seed=args.seed,
+        )
+    )
+    _write_json(args.output, report)
+    print(
+        json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2)
+        if args.json
+        else render_report(report)
+    )
+    return 1 if report["failed"] and not report["completed"] else 0
+
+
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from vlserve.bench.compare import CompareOptions, compare, render_compare  # noqa: PLC0415
+
+    try:
+        policy = _policy_from_args(args)
+    except ValueError as error:
+        print("vlserve bench-compare: invalid policy: %s" % error, file=sys.stderr)
+        return 2
+    result = compare(
+        CompareOptions(
+            model=pathlib.Path(args.model_dir),
+            image_size=args.image_size,
+            max_tokens=args.max_tokens,
+            latency_requests=args.latency_requests,
+            clients=args.clients,
+            throughput_requests=args.throughput_requests,
+            cache_pairs=args.cache_pairs,
+            startup_runs=args.startup_runs,
+            policy=policy,
+        )
+    )
+    _write_json(args.output, result)
+    print(json.dumps(result, indent=2) if args.json else render_compare(result))
+    return 0
+
+
+def cmd_autotune(args: argparse.Namespace) -> int:
+    from vlserve.bench.autotune import AutotuneOptions, autotune, host_override, render_autotune  # noqa: PLC0415
+
+    try:
+        policy = _policy_from_args(args)
+    except ValueError as error:
+        print("vlserve autotune: invalid policy: %s" % error, file=sys.stderr)
+        return 2
+    result = autotune(
+        AutotuneOptions(
+            model=pathlib.Path(args.model_dir),
+            image_size=args.image_size,
+            max_tokens=args.max_tokens,
+            clients=args.clients,
+            requests=args.requests,
+            batch_sizes=tuple(args.batch_sizes) if args.batch_sizes else None,
+            dtypes=tuple(args.dtypes) if args.dtypes else None,
+            policy=policy,
+        )
+    )
+    _write_json(args.output, result)
+    if args.write_override:
+        pathlib.Path(args.write_override).write_text(host_override(result))
+        print("wrote the best configuration to %s" % args.write_override, file=sys.stderr)
+    print(json.dumps(result, indent=2) if args.json else render_autotune(result))
+    return 0
+
+
+def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
+    from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth  # noqa: PLC0415
+
+    threads = args.threads or sizing.default_threads(sizing.probe(use_libraries=False))
+    result = measure_read_bandwidth(threads, size_bytes=args.buffer_bytes)
+    if args.model:
+        per_token = decode_bytes_per_token(pathlib.Path(args.model), args.dtype)
+        result.update(decode_bytes_per_token=per_token, decode_bound_tokens_per_s=result["bytes_per_s"] / per_token)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        "memory read bandwidth: %.1f GB/s (%d threads, %.1f GiB buffer, last-level cache %.0f MiB)"
+        % (
+            result["bytes_per_s"] / 1e9,
+            threads,
+            result["buffer_bytes"] / 2**30,
+            result["last_level_cache_bytes"] / 2**20,
+        )
+    )
+    if args.model:
+        print(
+            "a decode step reads %.2f GB of %s weights: one stream decodes at most %.2f tokens/s"
+            % (result["decode_bytes_per_token"] / 1e9, args.dtype, result["decode_bound_tokens_per_s"])
+        )
+    return 0
+
+
+def _add_workload_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument(
+        "--image-size",
+        type=_image_size,
+        default=(1280, 720),
+        metavar="WxH",
+        help="size of the generated photo in each request, or 'none' for text only (default: 1280x720)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens per answer (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--output", metavar="FILE", help="also write the whole result as JSON to FILE")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlserve", description=__doc__)
     parser.add_argument("--version", action="version", version="vlserve " + __version__)
@@ -278,6 +426,85 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the saved weights (default: bfloat16, as the real checkpoint)",
     )
     test_model.set_defaults(handler=cmd_make_test_model)
+
+    bench = commands.add_parser(
+        "bench",
+        help="load-test any OpenAI-compatible endpoint: TTFT, TPOT, latency percentiles, throughput",
+        description="Streams chat completions with generated photos and fixed questions at a concurrency "
+        "or a Poisson rate; reports what `vllm bench serve` reports.",
+    )
+    bench.add_argument(
+        "--url",
+        action="append",
+        required=True,
+        help="endpoint (http://host:port, .../v1 or .../v1/chat/completions); repeat to spread over workers",
+    )
+    bench.add_argument("--model", help="model name to send (default: none, the server's)")
+    bench.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    bench.add_argument("--concurrency", type=int, default=1, help="clients in a closed loop (default: 1)")
+    bench.add_argument("--rate", type=float, help="requests per second, Poisson arrivals (instead of a closed loop)")
+    bench.add_argument("--requests", type=int, help="requests to measure (default: 16 unless --duration)")
+    bench.add_argument("--duration", type=float, help="seconds to keep sending")
+    bench.add_argument("--warmup", type=int, default=1, help="requests sent first and not counted (default: 1)")
+    bench.add_argument("--same-image", action="store_true", help="one image for every request (vision-cache hits)")
+    bench.add_argument("--no-ignore-eos", action="store_true", help="let answers stop at end-of-sequence")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the generated images (default: 0)")
+    bench.add_argument(
+        "--server-pid",
+        type=int,
+        action="append",
+        help="server process to watch for peak memory (default: the local listener)",
+    )
+    _add_workload_flags(bench, max_tokens=32)
+    bench.set_defaults(handler=cmd_bench)
+
+    compare = commands.add_parser(
+        "bench-compare",
+        help="naive vs tuned on this machine, in one run: the table of ratios the README quotes",
+    )
+    compare.add_argument(
+        "--model-dir",
+        required=True,
+        help="checkpoint directory (make-test-model --size real); --model is the footprint",
+    )
+    compare.add_argument("--latency-requests", type=int, default=3, help="single-client requests (default: 3)")
+    compare.add_argument("--clients", type=int, default=4, help="concurrent clients for throughput (default: 4)")
+    compare.add_argument("--throughput-requests", type=int, default=8, help="requests at that concurrency (default: 8)")
+    compare.add_argument("--cache-pairs", type=int, default=2, help="pairs for the cache figures (default: 2)")
+    compare.add_argument("--startup-runs", type=int, default=2, help="starts per configuration (default: 2)")
+    _add_workload_flags(compare, max_tokens=32)
+    _add_policy_flags(compare)
+    compare.set_defaults(handler=cmd_bench_compare)
+
+    tune = commands.add_parser(
+        "autotune", help="measure the configurations this host allows and rank the plan's choice among them"
+    )
+    tune.add_argument("--model-dir", required=True, help="checkpoint directory; --model is the footprint")
+    tune.add_argument("--clients", type=int, default=4, help="concurrent clients (default: 4)")
+    tune.add_argument("--requests", type=int, default=8, help="requests per configuration (default: 8)")
+    tune.add_argument("--batch-sizes", type=int, nargs="+", help="batch sizes to try (default: 1 and the plan's)")
+    tune.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=("bfloat16", "float32"),
+        help="dtypes to try (default: those the CPU runs natively)",
+    )
+    tune.add_argument(
+        "--write-override", metavar="FILE", help="write the best configuration as Ansible host_vars to FILE"
+    )
+    _add_workload_flags(tune, max_tokens=16)
+    _add_policy_flags(tune)
+    tune.set_defaults(handler=cmd_autotune)
+
+    bandwidth = commands.add_parser(
+        "bench-bandwidth", help="memory read bandwidth, and the decode rate it allows a model's weights"
+    )
+    bandwidth.add_argument("--model", help="checkpoint directory: also print its decode bound")
+    bandwidth.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights dtype")
+    bandwidth.add_argument("--threads", type=int, help="reading threads (default: the service's default)")
+    bandwidth.add_argument("--buffer-bytes", type=int, help="buffer size (default: max(1 GiB, 4 x last-level cache))")
+    bandwidth.add_argument("--json", action="store_true", help="print JSON")
+    bandwidth.set_defaults(handler=cmd_bench_bandwidth)
     return parser
 
 

@@ -1,0 +1,101 @@
+"""The memory-bandwidth bound of decoding: how fast the weights can be read, and so how many tokens
+per second one stream could decode at best.
+
+Decoding one token reads every weight of the language model once (the output head included; of
+the input embedding only one row), so tokens/s <= read bandwidth / bytes of those weights.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import struct
+import time
+from pathlib import Path
+
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "bfloat16": 2, "float32": 4}
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (sysfs), 0 when unknown."""
+    largest = 0
+    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size_file.read_text().strip()
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        try:
+            value = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        except (ValueError, IndexError):
+            continue
+        largest = max(largest, value)
+    return largest
+
+
+def measure_read_bandwidth(threads: int, size_bytes: int | None = None, repeats: int = 7) -> dict:
+    """Median bytes/s of a streaming read (a float32 dot product of a buffer with itself) with `threads`.
+
+    The buffer is at least 1 GiB and at least 4 times the last-level cache, so the reads come from memory.
+    """
+    import torch  # noqa: PLC0415 - torch's threaded BLAS gives a vectorised multi-threaded read
+
+    cache = last_level_cache_bytes()
+    size = size_bytes or max(2**30, 4 * cache)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(size // 4, dtype=torch.float32)
+        torch.dot(buffer, buffer)  # fault the pages in
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            torch.dot(buffer, buffer)
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    median = statistics.median(times)
+    return {
+        "threads": threads,
+        "buffer_bytes": size,
+        "last_level_cache_bytes": cache,
+        "bytes_per_s": size / median,
+        "repeats": repeats,
+    }
+
+
+def safetensors_index(model: Path) -> dict[str, tuple[str, int]]:
+    """Tensor name -> (dtype, element count), from the checkpoint's safetensors headers (no weights read)."""
+    tensors = {}
+    for path in sorted(model.glob("*.safetensors")):
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for dim in entry["shape"]:
+                count *= dim
+            tensors[name] = (entry["dtype"], count)
+    return tensors
+
+
+def decode_bytes_per_token(model: Path, dtype: str) -> int:
+    """Bytes of weights one decode step reads at `dtype`: the language model without its input
+    embedding table, plus the output head (the embedding's weights again when they are tied)."""
+    tensors = safetensors_index(model)
+    config = json.loads((model / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
+    width = DTYPE_BYTES[dtype]
+    total = 0
+    embedding = 0
+    head = 0
+    for name, (_, count) in tensors.items():
+        if "language_model" not in name and not name.startswith("lm_head"):
+            continue  # the vision tower runs once per image, not per token
+        if name.endswith("embed_tokens.weight"):
+            embedding = count
+        elif name.startswith("lm_head"):
+            head = count
+        else:
+            total += count
+    head = head or (embedding if tied else 0)
+    return (total + head) * width

@@ -1,0 +1,390 @@
+"""`vlserve bench-compare`: naive vs tuned on one model, in one run, on this machine.
+
+- naive: what the seeds start from: float32, the processor's default image resolution, one request
+  at a time, torch's default threads, no pinning, no caches, plain (unpacked) weights;
+- tuned: the sizing plan for this host, started as the deploy role starts it (each worker's
+  environment and CPUs), with the service's defaults (capped images, batching, caches).
+
+Workloads, the same requests for both: one client (latency), N concurrent clients (throughput),
+a second question about an image already seen (vision cache), the same request again (result
+cache); plus startup to ready from a warm page cache, peak memory, and single-stream decode
+against the memory-bandwidth bound. Every figure is a median; the table gives tuned/naive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from vlserve import sizing
+from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth
+from vlserve.bench.loadgen import LoadSpec, chat_url, run_load, stream_request
+from vlserve.bench.servers import LocalServer, start_plan_workers, warm_page_cache
+from vlserve.bench.workload import Workload
+
+COMPARE_SCHEMA = "vlserve.compare/1"
+
+# The issue's targets for the comparison, as (figure, bound, which way).
+TARGETS = {
+    "ttft_ratio": (1 / 8, "max"),
+    "throughput_ratio": (8.0, "min"),
+    "decode_fraction_of_bound": (0.75, "min"),
+    "vision_cache_ttft_ratio": (0.60, "max"),
+    "ready_s": (15.0, "max"),
+}
+
+
+@dataclass
+class CompareOptions:
+    model: Path
+    image_size: tuple[int, int] = (1280, 720)
+    max_tokens: int = 32
+    latency_requests: int = 3
+    clients: int = 4
+    throughput_requests: int = 8
+    cache_pairs: int = 2
+    startup_runs: int = 2
+    policy: sizing.Policy | None = None
+    progress: bool = True
+
+
+def processor_default_pixels(model: Path) -> tuple[int, int]:
+    """The checkpoint's own (min, max) pixels: what a plain AutoProcessor would use."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = model / name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            config = config.get("image_processor", config)
+            size = config.get("size") or {}
+            if "shortest_edge" in size and "longest_edge" in size:
+                return int(size["shortest_edge"]), int(size["longest_edge"])
+    return 56 * 56, 28 * 28 * 1280  # Qwen2-VL's processor defaults
+
+
+def naive_settings(model: Path) -> dict[str, str]:
+    import torch  # noqa: PLC0415
+
+    min_pixels, max_pixels = processor_default_pixels(model)
+    return {
+        "dtype": "float32",
+        "threads": str(torch.get_num_threads()),  # torch's default in a fresh process on this machine
+        "min_pixels": str(min_pixels),
+        "max_pixels": str(max_pixels),
+        "max_batch_size": "1",
+        "result_cache_entries": "0",
+        "vision_cache_bytes": "0",
+        "packed_weights": "false",
+        "warmup": "false",
+    }
+
+
+# Both: no request times out or is refused while the naive server works through its queue.
+COMMON = {"request_timeout_s": "7200", "max_queue": "1024"}
+
+
+def _say(options: CompareOptions, message: str) -> None:
+    if options.progress:
+        print("[bench-compare %s] %s" % (time.strftime("%H:%M:%S"), message), file=sys.stderr, flush=True)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class _Config:
+    """A named way of starting the service: naive (one process) or tuned (the plan's workers)."""
+
+    def __init__(self, name: str, options: CompareOptions, plan: dict):
+        self.name, self.options, self.plan = name, options, plan
+
+    def start(self) -> list[LocalServer]:
+        model = self.options.model
+        if self.name == "naive":
+            return [LocalServer(model, naive_settings(model) | COMMON, name="naive").wait_ready()]
+        return start_plan_workers(model, self.plan, extra=COMMON)
+
+
+def _single_requests(urls: list[str], bodies: list[dict]) -> list:
+    results = []
+    with httpx.Client(timeout=httpx.Timeout(7200.0, connect=10.0)) as client:
+        for url, body in zip(urls, bodies, strict=True):
+            result = stream_request(client, chat_url(url), body, {})
+            if not result.ok:
+                raise RuntimeError("a benchmark request failed: %s" % result.error)
+            results.append(result)
+    return results
+
+
+def measure_config(config: _Config, options: CompareOptions) -> dict:
+    startups, peaks = [], []
+    for run in range(options.startup_runs):
+        _say(options, "%s: start %d of %d" % (config.name, run + 1, options.startup_runs))
+        servers = config.start()
+        startups.append(max(s.ready_after_s for s in servers))
+        if run < options.startup_runs - 1:
+            peaks.append(sum(s.peak_rss_bytes for s in servers))
+            for server in servers:
+                server.stop()
+    urls = [s.url for s in servers]
+    info = servers[0].info()
+    try:
+        workload = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=1000)
+        _say(options, "%s: latency, 1 client x %d requests" % (config.name, options.latency_requests))
+        latency = run_load(
+            LoadSpec(
+                urls=urls,
+                payload=lambda i: workload.payload(i, None),
+                requests=options.latency_requests,
+                concurrency=1,
+                warmup=1,
+                progress=False,
+            )
+        )
+        throughput_workload = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=2000)
+        _say(
+            options,
+            "%s: throughput, %d clients x %d requests" % (config.name, options.clients, options.throughput_requests),
+        )
+        throughput = run_load(
+            LoadSpec(
+                urls=urls,
+                payload=lambda i: throughput_workload.payload(i, None),
+                requests=options.throughput_requests,
+                concurrency=options.clients,
+                warmup=0,
+                progress=False,
+            )
+        )
+        _say(options, "%s: vision cache and result cache, %d pairs each" % (config.name, options.cache_pairs))
+        first_ttft, second_ttft, first_e2e, repeat_e2e = [], [], [], []
+        for pair in range(options.cache_pairs):
+            pictures = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=3000 + pair)
+            one, two = _single_requests(
+                [urls[0]] * 2, [pictures.payload(0, None, question=0), pictures.payload(0, None, question=1)]
+            )
+            first_ttft.append(one.ttft_s)
+            second_ttft.append(two.ttft_s)
+            repeated = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=4000 + pair)
+            body = repeated.payload(0, None)
+            one, two = _single_requests([urls[0]] * 2, [body, body])
+            first_e2e.append(one.e2e_s)
+            repeat_e2e.append(two.e2e_s)
+    finally:
+        peaks.append(sum(s.peak_rss_bytes for s in servers))
+        for server in servers:
+            server.stop()
+    return {
+        "server": {k: info.get(k) for k in ("dtype", "threads", "packed_weights")},
+        "workers": len(urls),
+        "ready_s": _median(startups),
+        "ready_runs_s": startups,
+        "peak_rss_bytes": max(peaks),
+        "latency": _strip(latency),
+        "throughput": _strip(throughput),
+        "vision_cache": {"first_ttft_s": _median(first_ttft), "second_question_ttft_s": _median(second_ttft)},
+        "result_cache": {"first_e2e_s": _median(first_e2e), "repeat_e2e_s": _median(repeat_e2e)},
+    }
+
+
+def _strip(report: dict) -> dict:
+    """A load report without its per-request rows."""
+    if report["failed"]:
+        raise RuntimeError("%d benchmark requests failed: %s" % (report["failed"], report["errors"]))
+    return {k: v for k, v in report.items() if k != "results"}
+
+
+def compare(options: CompareOptions) -> dict:
+    facts = sizing.probe()
+    plan = sizing.plan(facts, options.policy)
+    worker = plan["worker_list"][0]
+    _say(options, "plan: %d worker(s), %s" % (plan["workers"]["count"], plan["model"]["dtype"]))
+
+    _say(options, "memory read bandwidth with %d thread(s) on CPUs %s" % (worker["threads"], worker["cpus"]))
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, worker["cpus"])
+    try:
+        bandwidth = measure_read_bandwidth(worker["threads"])
+    finally:
+        os.sched_setaffinity(0, mask)
+    warm_page_cache(options.model)
+
+    results = {name: measure_config(_Config(name, options, plan), options) for name in ("naive", "tuned")}
+    naive, tuned = results["naive"], results["tuned"]
+    bytes_per_token = decode_bytes_per_token(options.model, tuned["server"]["dtype"])
+    bound = bandwidth["bytes_per_s"] / bytes_per_token
+    tuned_tpot = tuned["latency"]["tpot_s"]["p50"]
+    decode_rate = 1 / tuned_tpot if tuned_tpot else None
+    figures = {
+        "ttft_ratio": _ratio(tuned["latency"]["ttft_s"]["p50"], naive["latency"]["ttft_s"]["p50"]),
+        "throughput_ratio": _ratio(
+            tuned["throughput"]["request_throughput"], naive["throughput"]["request_throughput"]
+        ),
+        "decode_fraction_of_bound": _ratio(decode_rate, bound),
+        "vision_cache_ttft_ratio": _ratio(
+            tuned["vision_cache"]["second_question_ttft_s"], tuned["vision_cache"]["first_ttft_s"]
+        ),
+        "ready_s": tuned["ready_s"],
+    }
+    verdicts = {}
+    for name, (limit, way) in TARGETS.items():
+        value = figures[name]
+        verdicts[name] = value is not None and (value <= limit if way == "max" else value >= limit)
+    return {
+        "schema": COMPARE_SCHEMA,
+        "host": facts.get("hostname"),
+        "cpu": facts["cpu"].get("model_name"),
+        "date": time.strftime("%Y-%m-%d"),
+        "model": str(options.model),
+        "workload": {
+            "image_size": "%dx%d" % options.image_size,
+            "max_tokens": options.max_tokens,
+            "latency_requests": options.latency_requests,
+            "clients": options.clients,
+            "throughput_requests": options.throughput_requests,
+            "cache_pairs": options.cache_pairs,
+            "startup_runs": options.startup_runs,
+        },
+        "plan": {
+            "workers": plan["workers"]["count"],
+            "threads": plan["workers"]["threads"],
+            "dtype": plan["model"]["dtype"],
+            "max_batch_size": plan["model"]["max_batch_size"],
+            "packed_weights": plan["model"]["packed_weights"],
+        },
+        "bandwidth": bandwidth
+        | {
+            "decode_bytes_per_token": bytes_per_token,
+            "decode_bound_tokens_per_s": bound,
+            "tuned_decode_tokens_per_s": decode_rate,
+        },
+        "naive": naive,
+        "tuned": tuned,
+        "figures": figures,
+        "targets": {
+            name: {"limit": limit, "way": way, "met": verdicts[name]} for name, (limit, way) in TARGETS.items()
+        },
+    }
+
+
+def render_compare(result: dict) -> str:
+    """A Markdown table: figure, naive, tuned, tuned/naive, target."""
+    naive, tuned, figures, targets = result["naive"], result["tuned"], result["figures"], result["targets"]
+
+    def row(title, a, b, fmt, *, ratio=None, target=""):
+        def show(value):
+            return "-" if value is None else fmt % value
+
+        if ratio is None:
+            ratio = _ratio(b, a)
+        return "| %s | %s | %s | %s | %s |" % (
+            title,
+            show(a),
+            show(b),
+            "-" if ratio is None else "%.3g" % ratio,
+            target,
+        )
+
+    def met(name: str) -> str:
+        target = targets[name]
+        sign = "<=" if target["way"] == "max" else ">="
+        return "%s %.3g: %s" % (sign, target["limit"], "met" if target["met"] else "NOT met")
+
+    bw = result["bandwidth"]
+    decode_rate = bw.get("tuned_decode_tokens_per_s")
+    lines = [
+        "| figure | naive | tuned | tuned/naive | target |",
+        "|---|---|---|---|---|",
+        row(
+            "time to first token, 1 client, p50 (s)",
+            naive["latency"]["ttft_s"]["p50"],
+            tuned["latency"]["ttft_s"]["p50"],
+            "%.2f",
+            target="ratio " + met("ttft_ratio"),
+        ),
+        row(
+            "time per output token, 1 client, p50 (ms)",
+            _ms(naive["latency"]["tpot_s"]["p50"]),
+            _ms(tuned["latency"]["tpot_s"]["p50"]),
+            "%.0f",
+        ),
+        row(
+            "end-to-end, 1 client, p50 (s)",
+            naive["latency"]["e2e_s"]["p50"],
+            tuned["latency"]["e2e_s"]["p50"],
+            "%.2f",
+        ),
+        row(
+            "throughput, %d clients (requests/min)" % result["workload"]["clients"],
+            naive["throughput"]["request_throughput"] * 60,
+            tuned["throughput"]["request_throughput"] * 60,
+            "%.2f",
+            target="ratio " + met("throughput_ratio"),
+        ),
+        row(
+            "output tokens/s, %d clients" % result["workload"]["clients"],
+            naive["throughput"]["output_throughput"],
+            tuned["throughput"]["output_throughput"],
+            "%.2f",
+        ),
+        row(
+            "time to first token, %d clients, p50 (s)" % result["workload"]["clients"],
+            naive["throughput"]["ttft_s"]["p50"],
+            tuned["throughput"]["ttft_s"]["p50"],
+            "%.2f",
+        ),
+        row(
+            "second question about the same image: TTFT / first TTFT",
+            _ratio(naive["vision_cache"]["second_question_ttft_s"], naive["vision_cache"]["first_ttft_s"]),
+            figures["vision_cache_ttft_ratio"],
+            "%.2f",
+            ratio=float("nan"),
+            target="tuned " + met("vision_cache_ttft_ratio"),
+        ),
+        row(
+            "same request again: end-to-end (s)",
+            naive["result_cache"]["repeat_e2e_s"],
+            tuned["result_cache"]["repeat_e2e_s"],
+            "%.3f",
+        ),
+        row(
+            "ready after process start, warm page cache (s)",
+            naive["ready_s"],
+            tuned["ready_s"],
+            "%.1f",
+            target="tuned " + met("ready_s"),
+        ),
+        row("peak resident memory (GB)", naive["peak_rss_bytes"] / 1e9, tuned["peak_rss_bytes"] / 1e9, "%.2f"),
+        "",
+        "Memory read bandwidth: %.1f GB/s (%d threads, %.1f GiB buffer, last-level cache %.0f MiB); a decode step "
+        "reads %.2f GB of %s weights, so one stream decodes at most %.2f tokens/s. Tuned single stream: %.2f tokens/s "
+        "= %.0f%% of the bound (target %s)."
+        % (
+            bw["bytes_per_s"] / 1e9,
+            bw["threads"],
+            bw["buffer_bytes"] / 2**30,
+            bw["last_level_cache_bytes"] / 2**20,
+            bw["decode_bytes_per_token"] / 1e9,
+            tuned["server"]["dtype"],
+            bw["decode_bound_tokens_per_s"],
+            decode_rate or 0.0,
+            100 * (figures["decode_fraction_of_bound"] or 0.0),
+            met("decode_fraction_of_bound"),
+        ),
+    ]
+    return "\n".join(lines).replace("| nan |", "| - |")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is unknown (a model that answered no text has no first-token time)."""
+    return None if a is None or not b else a / b
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000

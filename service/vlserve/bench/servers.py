@@ -1,0 +1,144 @@
+"""Local `vlserve serve` processes for the benchmarks: started with given settings and CPUs, timed
+from process start to ready, watched for peak memory, stopped.
+
+`start_plan_workers` starts what the deploy role would run for a plan (each worker's environment
+and CPUs from the plan), without systemd, so the benchmarks measure the plan itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from vlserve.bench.loadgen import MemoryWatch
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+class LocalServer:
+    """One `vlserve serve` on a loopback port. `settings`: VLSERVE_* names without the prefix."""
+
+    def __init__(
+        self,
+        model: Path,
+        settings: dict[str, str] | None = None,
+        *,
+        cpus: list[int] | None = None,
+        environment: dict[str, str] | None = None,
+        port: int | None = None,
+        name: str = "vlserve",
+    ):
+        self.port = port or free_port()
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix="vlserve-bench-", suffix=".log", delete=False)  # noqa: SIM115
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        env.update(environment or {})
+        env.update({"VLSERVE_" + key.upper(): str(value) for key, value in (settings or {}).items()})
+        env.update({"VLSERVE_MODEL": str(model), "VLSERVE_HOST": "127.0.0.1", "VLSERVE_PORT": str(self.port)})
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vlserve.cli", "serve"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            # Pinned as systemd's CPUAffinity= would pin it; the server's threads inherit the mask.
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,  # noqa: PLW1509 - no threads yet
+        )
+        self.memory = MemoryWatch([self.process.pid], interval_s=0.1).__enter__()
+        self.ready_after_s: float | None = None
+
+    def wait_ready(self, timeout_s: float = 900) -> LocalServer:
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            if self.process.poll() is not None:
+                raise ServerFailed("%s exited with %s:\n%s" % (self.name, self.process.returncode, self.output(40)))
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    self.ready_after_s = time.perf_counter() - self.started
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise ServerFailed("%s not ready after %.0f s:\n%s" % (self.name, timeout_s, self.output(40)))
+
+    def info(self) -> dict:
+        return httpx.get(self.url + "/readyz", timeout=5).json()
+
+    def output(self, lines: int | None = None) -> str:
+        text = Path(self.log.name).read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:]) if lines else text
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        return self.memory.peak_bytes
+
+    def stop(self) -> None:
+        self.memory.__exit__(None, None, None)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_plan_workers(model: Path, plan: dict, extra: dict[str, str] | None = None) -> list[LocalServer]:
+    """Every worker of a plan, each with the plan's environment and CPUs, ready; stopped on failure."""
+    servers: list[LocalServer] = []
+    try:
+        for worker in plan["worker_list"]:
+            environment = {k: v for k, v in worker["environment"].items() if not k.startswith("VLSERVE_")}
+            settings = {k[len("VLSERVE_") :]: v for k, v in worker["environment"].items() if k.startswith("VLSERVE_")}
+            settings.update(extra or {})
+            servers.append(
+                LocalServer(
+                    model,
+                    settings,
+                    cpus=worker["cpus"] + worker["sibling_cpus"],
+                    environment=environment,
+                    name="worker %d" % worker["index"],
+                )
+            )
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def warm_page_cache(model: Path) -> None:
+    """Read the checkpoint once, so startups are timed from a warm page cache as the targets say."""
+    for path in sorted(model.iterdir()):
+        if path.is_file():
+            with path.open("rb") as handle:
+                while handle.read(64 * 2**20):
+                    pass
