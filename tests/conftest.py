@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 import httpx
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from vlserve.bench.servers import LocalServer, free_port  # noqa: F401 - free_port is the tests' too
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOPOLOGIES = REPO / "tests" / "fixtures" / "topologies"
@@ -57,12 +55,6 @@ def run_tool(tool: str, *args: str, timeout: float = 300) -> subprocess.Complete
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> pathlib.Path:
     """A tiny random-weight Qwen3-VL checkpoint, made by the CLI as a user would make it."""
@@ -72,43 +64,14 @@ def tiny_model(tmp_path_factory) -> pathlib.Path:
     return directory
 
 
-class Server:
-    """`vlserve serve` in a subprocess on a free loopback port; stopped at the end of its fixture."""
+class Server(LocalServer):
+    """`vlserve serve` in a subprocess on a free loopback port (the benchmarks' own server handle)."""
 
     def __init__(self, model: pathlib.Path, *flags: str, env: dict | None = None):
-        self.port = free_port()
-        self.url = "http://127.0.0.1:%d" % self.port
-        self.log = tempfile.NamedTemporaryFile(prefix="vlserve-", suffix=".log", delete=False)  # noqa: SIM115
-        command = [
-            str(VENV_BIN / "vlserve"),
-            "serve",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *flags,
-        ]
-        self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env=dict(TOOL_ENV, **(env or {}))
-        )
+        super().__init__(model, args=list(flags), environment=dict(TOOL_ENV, **(env or {})))
 
     def wait_ready(self, timeout: float = 180) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError("vlserve exited with %s:\n%s" % (self.process.returncode, self.output()))
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("vlserve not ready after %.0f s:\n%s" % (timeout, self.output()))
-
-    def output(self) -> str:
-        return pathlib.Path(self.log.name).read_text(errors="replace")
+        return super().wait_ready(timeout_s=timeout)
 
     def rss(self) -> int:
         return psutil.Process(self.process.pid).memory_info().rss
@@ -121,16 +84,6 @@ class Server:
             for sample in family.samples:
                 samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
         return samples
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        os.unlink(self.log.name)
 
 
 @pytest.fixture(scope="module")

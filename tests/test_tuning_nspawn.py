@@ -165,3 +165,23 @@ def test_paths_this_machine_cannot_exercise(guest, workdir):
     wslconfig = guest.ssh("cat /root/winprofile/.wslconfig").stdout
     assert "kernelCommandLine = quiet" in wslconfig  # the user's own setting stays
     assert re.search(r"memory = \d+GB", wslconfig) and "processors = %d" % len(cpus) in wslconfig
+
+
+def test_a_host_running_tuned_gets_a_child_profile_instead_of_sysctl_d(guest, workdir):
+    """tuned rewrites kernel settings from its profile: the role writes a child profile and switches to it."""
+    guest.ssh(
+        "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q tuned > /dev/null", timeout=900
+    )
+    guest.ssh("systemctl start tuned.service && tuned-adm profile balanced")
+    first = play(guest, workdir, "playbooks/tune.yml")
+    assert first.returncode == 0, first.stdout[-4000:]
+    second = play(guest, workdir, "playbooks/tune.yml")
+    assert recap(second)["changed"] == 0, second.stdout[-4000:]
+    plan = audit(guest, workdir)["plan"]
+    profile = guest.ssh("cat /etc/tuned/vlserve/tuned.conf").stdout
+    assert "include=balanced" in profile
+    assert "vm.swappiness=%d" % plan["knobs"]["swappiness"]["value"] in profile
+    assert "vm.page-cluster=%d" % plan["knobs"]["page_cluster"]["value"] in profile
+    assert "Managed by Ansible (vlserve toolkit)" in profile.splitlines()[1]
+    assert guest.ssh("cat /etc/tuned/active_profile").stdout.strip() == "vlserve"
+    assert guest.ssh("test -e /etc/sysctl.d/90-vlserve.conf", check=False).returncode != 0

@@ -19,8 +19,9 @@ if REASON and os.environ.get("CI"):
     raise RuntimeError("the QEMU tier must run in CI: %s" % REASON)
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
-# Inference on CPU 1 only: a cpuset that differs from "everything" proves AllowedCPUs= took effect.
-HOST_VARS = {"vlserve_facts_allowed_cpus": "1"}
+# CPU 0 for housekeeping (the OS confined to it), CPU 1 for inference: cpusets that differ from
+# "everything" prove that AllowedCPUs= took effect on every slice.
+HOST_VARS = {"vlserve_facts_housekeeping_cores": 1, "vlserve_cpu_isolation_confine_system": True}
 
 
 @pytest.fixture(scope="module")
@@ -63,4 +64,25 @@ def test_the_kernel_holds_the_plan(vm, workdir, tuned):
     assert "[%s]" % knobs["zram"]["value"]["algorithm"] in vm.ssh("cat /sys/block/zram0/comp_algorithm").stdout
     effective = vm.ssh("cat /sys/fs/cgroup/vlserve.slice/cpuset.cpus.effective").stdout.strip()
     assert effective == "1" and knobs["cpu_isolation"]["value"]["cpus"] == [1]
+    assert knobs["cpu_isolation"]["value"]["housekeeping_cpus"] == [0]
+    for confined in ("system.slice", "user.slice"):
+        assert vm.ssh("cat /sys/fs/cgroup/%s/cpuset.cpus.effective" % confined).stdout.strip() == "0", confined
+    assert report["summary"]["drift"] == 0, report["knobs"]
+
+
+def test_the_zramctl_unit_takes_over_and_holds_the_plan(vm, workdir, tuned):
+    """Where no zram-generator package exists (Ubuntu 22.04) a zramctl unit of ours makes the device."""
+    fallback = dict(HOST_VARS, vlserve_memory_zram_method="zramctl")
+    first = play(vm, workdir, "playbooks/tune.yml", **fallback)
+    assert first.returncode == 0, first.stdout[-5000:]
+    second = play(vm, workdir, "playbooks/tune.yml", **fallback)
+    assert second.returncode == 0, second.stdout[-5000:]
+    assert recap(second)["changed"] == 0, second.stdout[-5000:]
+    assert vm.ssh("systemctl is-active vlserve-zram.service").stdout.strip() == "active"
+    assert vm.ssh("test -e /etc/systemd/zram-generator.conf", check=False).returncode != 0
+    report = audit(vm, workdir, audit_fail_on_drift=True, **fallback)
+    size = report["plan"]["knobs"]["zram"]["value"]["size_bytes"]
+    swaps = [line.split() for line in vm.ssh("cat /proc/swaps").stdout.splitlines()[1:]]
+    assert [row[0] for row in swaps] == ["/dev/zram0"], swaps
+    assert int(swaps[0][2]) * 1024 == size - 4096
     assert report["summary"]["drift"] == 0, report["knobs"]

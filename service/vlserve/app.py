@@ -317,6 +317,7 @@ def create_app(
                 "queue_depth": engine.queue_depth,
                 "running": engine.running,
                 "dtype": engine.dtype,
+                "vision_dtype": engine.vision_dtype,
                 "threads": engine.threads,
                 "packed_weights": engine.packed,
             }

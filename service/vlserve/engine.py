@@ -180,6 +180,7 @@ class Engine:
         self.processor = None
         self.dtype: str | None = None
         self.threads: int | None = None
+        self.vision_dtype: str | None = None
         self.packed = False
         self.result_cache = LRUCache(limits.result_cache_entries)
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=_feature_bytes)
@@ -211,6 +212,10 @@ class Engine:
             self.dtype = "bfloat16" if sizing.native_bfloat16(facts["cpu"]) else "float32"
         else:
             self.dtype = self.model_settings.dtype
+        if self.model_settings.vision_dtype == "auto":
+            self.vision_dtype = sizing.plan_vision_dtype(facts["cpu"], self.dtype)[0]
+        else:
+            self.vision_dtype = self.model_settings.vision_dtype
         status("loading processor from %s" % path)
         processor = load_processor(path)
         processor.image_processor.size = {
@@ -224,16 +229,25 @@ class Engine:
         self.packed = False
         if self.model_settings.packed_weights and packing_supported(model.dtype):
             status("packing weights for oneDNN")
-            packed = pack_language_model(model)
+            packed = pack_language_model(model, vision_dtype=getattr(torch, self.vision_dtype))
             self.packed = True
             log.info("packed %d linear layers for oneDNN", packed)
+        elif self.vision_dtype != self.dtype:
+            model.model.visual.to(getattr(torch, self.vision_dtype))
         self.processor, self.model = processor, model
         tokenizer = processor.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
         self.eos_ids.discard(None)
-        log.info("loaded %s in %.1f s: %s, %d threads", path, time.monotonic() - started, self.dtype, self.threads)
+        log.info(
+            "loaded %s in %.1f s: %s (vision %s), %d threads",
+            path,
+            time.monotonic() - started,
+            self.dtype,
+            self.vision_dtype,
+            self.threads,
+        )
         self._thread = threading.Thread(target=self._run, name="vlserve-scheduler", daemon=True)
         self._thread.start()
 
@@ -531,8 +545,12 @@ class Engine:
                 torch.cat([p for p, _ in misses.values()]), torch.stack([g for _, g in misses.values()])
             )
             self.metrics.image_encode_seconds.observe(time.monotonic() - started)
+            text_dtype = getattr(torch, self.dtype)  # a float32 vision tower's output is kept at the text's width
             for index, key in enumerate(misses):
-                entry = (out.pooler_output[index], [layer[index] for layer in out.deepstack_features])
+                entry = (
+                    out.pooler_output[index].to(text_dtype),
+                    [layer[index].to(text_dtype) for layer in out.deepstack_features],
+                )
                 features[key] = entry
                 if key != "warmup":
                     self.vision_cache.put(key, entry)

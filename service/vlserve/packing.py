@@ -52,12 +52,15 @@ class PackedLinear(torch.nn.Module):
         )
 
 
-def pack_language_model(model: torch.nn.Module) -> int:
+def pack_language_model(model: torch.nn.Module, vision_dtype: torch.dtype | None = None) -> int:
     """Pack every linear layer of the text decoder and the output head; returns how many were packed.
 
-    `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower stays as it is: it runs
-    once per image on hundreds of rows at a time, where the plain kernels are already compute-bound.
+    `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower is not packed: it runs
+    once per image on hundreds of rows at a time, where the plain kernels are already compute-bound;
+    `vision_dtype` converts it on the way out of the memory map (one copy instead of two).
     """
+    if vision_dtype is not None and vision_dtype != model.dtype:
+        model.model.visual.to(vision_dtype)
     count = 0
     text = model.model.language_model
     for parent in list(text.modules()):
@@ -73,9 +76,11 @@ def pack_language_model(model: torch.nn.Module) -> int:
 
 def _release_checkpoint_map(model: torch.nn.Module) -> None:
     """Copy the remaining parameters and buffers out of the safetensors memory map, so it can close."""
+    converted = {id(p) for p in model.model.visual.parameters() if p.dtype != model.lm_head.packed_weight.dtype}
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.data = parameter.data.clone()
+            if id(parameter) not in converted:  # a converted tensor is a copy already
+                parameter.data = parameter.data.clone()
         for module in model.modules():
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:

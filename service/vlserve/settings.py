@@ -34,6 +34,11 @@ class ModelSettings(BaseSettings):
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="weights dtype; auto: bfloat16 on CPUs with AVX-512 BF16 or AMX, else float32"
     )
+    vision_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="vision encoder dtype; auto: float32 unless the CPU has AMX (without it bfloat16 "
+        "matrix products are slower than float32 ones, and the encoder is compute-bound)",
+    )
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch threads (default: one per physical core this process may use)"
     )

@@ -552,6 +552,7 @@ class ModelFootprint:
     kv_heads: int
     head_dim: int
     tied_head_parameters: int  # the output head shares the input embedding's weights in the checkpoint
+    vision_parameters: int  # the vision tower, which may run in another dtype than the language model
     activation_bytes: int
     runtime_bytes: int
     provenance: str
@@ -566,6 +567,7 @@ FOOTPRINTS = {
         kv_heads=8,
         head_dim=128,
         tied_head_parameters=151_936 * 2048,
+        vision_parameters=407_000_000,
         activation_bytes=GIB // 2,
         runtime_bytes=GIB // 2,
         provenance=(
@@ -736,17 +738,25 @@ MIN_CONTEXT_TOKENS = 2048  # a capped image (~200 tokens), a long question and a
 
 
 def worker_memory(
-    footprint: ModelFootprint, dtype: str, batch_size: int, context_tokens: int, packed: bool = False
+    footprint: ModelFootprint,
+    dtype: str,
+    batch_size: int,
+    context_tokens: int,
+    *,
+    packed: bool = False,
+    vision_dtype: str | None = None,
 ) -> dict[str, int]:
     """Per-worker memory: steady state (weights + KV + activations + runtime) and the load peak.
 
     `packed`: the service's oneDNN-packed bfloat16 weights (vlserve/packing.py), where the tied output
-    head gets its own copy.
+    head gets its own copy. `vision_dtype`: the vision tower's, when it differs from `dtype`.
     """
     width = DTYPE_BYTES[dtype]
     weights = footprint.parameters * width
     if packed:
         weights += footprint.tied_head_parameters * width
+    if vision_dtype is not None:
+        weights += footprint.vision_parameters * (DTYPE_BYTES[vision_dtype] - width)
     kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * batch_size * context_tokens
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
     # Loading into another dtype than the checkpoint's holds both copies for a moment
@@ -769,14 +779,24 @@ def worker_memory(
     }
 
 
-def _fit_worker(footprint: ModelFootprint, dtype: str, policy: Policy, available: int):
+def _fit_worker(footprint: ModelFootprint, dtype: str, cpu: dict[str, Any], policy: Policy, available: int):
     """The largest batch, then context, up to the policy's, with which one worker fits in `available`.
 
-    Packed weights (faster decode, one more copy of the output head) only where the policy's whole
-    batch and context fit with them; a tight host keeps its batch instead.
+    A float32 vision tower and packed weights (both faster, both costing memory) only where the
+    policy's whole batch and context fit with them; a tight host keeps its batch instead.
     """
     batch, context = policy.max_batch_size, policy.max_context_tokens
-    packed = dtype == "bfloat16" and worker_memory(footprint, dtype, batch, context, True)["high_bytes"] <= available
+    vision_dtype, vision_why = plan_vision_dtype(cpu, dtype)
+    if (
+        vision_dtype != dtype
+        and worker_memory(footprint, dtype, batch, context, vision_dtype=vision_dtype)["high_bytes"] > available
+    ):
+        vision_dtype, vision_why = dtype, "as the language model: a float32 copy does not fit beside the batch"
+    packed = (
+        dtype == "bfloat16"
+        and worker_memory(footprint, dtype, batch, context, packed=True, vision_dtype=vision_dtype)["high_bytes"]
+        <= available
+    )
     if packed:
         packed_why = "bfloat16: the language model's weights are packed for oneDNN at load (faster decode)"
     elif dtype == "bfloat16":
@@ -784,7 +804,7 @@ def _fit_worker(footprint: ModelFootprint, dtype: str, policy: Policy, available
     else:
         packed_why = "not packed: packing applies to bfloat16 weights only"
     while True:
-        need = worker_memory(footprint, dtype, batch, context, packed)
+        need = worker_memory(footprint, dtype, batch, context, packed=packed, vision_dtype=vision_dtype)
         if need["high_bytes"] <= available:
             break
         if batch > 1:
@@ -816,7 +836,7 @@ def _fit_worker(footprint: ModelFootprint, dtype: str, policy: Policy, available
             policy.max_context_tokens,
             _gib(available),
         )
-    return need, batch, context, why, packed, packed_why
+    return need, batch, context, why, packed, packed_why, vision_dtype, vision_why
 
 
 def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
@@ -830,8 +850,8 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
     cores = _plan_cores(cpu, limits, policy)
     budget = _plan_memory_budget(memory, limits, policy)
     dtype, dtype_why = _plan_dtype(cpu, footprint, policy, budget["available_bytes"])
-    per_worker, batch, context, batch_why, packed, packed_why = _fit_worker(
-        footprint, dtype, policy, budget["available_bytes"]
+    per_worker, batch, context, batch_why, packed, packed_why, vision_dtype, vision_why = _fit_worker(
+        footprint, dtype, cpu, policy, budget["available_bytes"]
     )
     by_memory = budget["available_bytes"] // per_worker["high_bytes"]
     workers = _plan_workers(cores["by_node"], policy, by_memory)
@@ -874,6 +894,7 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
                     "VLSERVE_MAX_BATCH_SIZE": str(batch),
                     "VLSERVE_MAX_CONTEXT_TOKENS": str(context),
                     "VLSERVE_PACKED_WEIGHTS": "true" if packed else "false",
+                    "VLSERVE_VISION_DTYPE": vision_dtype,
                 },
             }
         )
@@ -891,6 +912,8 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
             "batch_why": batch_why,
             "packed_weights": packed,
             "packed_why": packed_why,
+            "vision_dtype": vision_dtype,
+            "vision_why": vision_why,
             "footprint_provenance": footprint.provenance,
         },
         "cores": {key: cores[key] for key in ("allowed", "candidates", "housekeeping", "usable", "why")},
@@ -1031,6 +1054,24 @@ def _plan_memory_budget(memory: dict[str, Any], limits: dict[str, Any], policy: 
 def native_bfloat16(cpu: dict[str, Any]) -> bool:
     """Whether the CPU computes bfloat16 natively (AVX-512 BF16 or AMX), so bf16 is the faster dtype."""
     return bool(cpu["isa"].get("avx512_bf16") or cpu["isa"].get("amx_bf16"))
+
+
+def plan_vision_dtype(cpu: dict[str, Any], dtype: str) -> tuple[str, str]:
+    """The vision tower's dtype: it runs once per image on hundreds of patches, so it is compute-bound.
+
+    Only AMX makes bfloat16 matrix products faster than float32 ones; with AVX-512 BF16 alone, oneDNN's
+    bf16 GEMMs measured 174-190 GFLOP/s against 283 for float32 on a 2-core Sapphire Rapids VM (the
+    vision encoder: 3.4 s in bf16, 1.95 s in float32 for a 448x448 image). Decoding is memory-bound
+    and stays in `dtype`.
+    """
+    if dtype == "float32":
+        return "float32", "as the language model"
+    if cpu["isa"].get("amx_bf16"):
+        return "bfloat16", "AMX: bfloat16 matrix products are the fast ones"
+    return "float32", (
+        "no AMX: float32 matrix products outrun bfloat16 ones, and the encoder is compute-bound "
+        "(its float32 copy costs 0.8 GB)"
+    )
 
 
 def default_threads(facts: dict[str, Any]) -> int:
@@ -1262,6 +1303,7 @@ def render_plan(result: dict[str, Any]) -> str:
         ("dtype", "%s  (%s)" % (result["model"]["dtype"], result["model"]["why"])),
         ("batch", result["model"]["batch_why"]),
         ("weights", result["model"]["packed_why"]),
+        ("vision", "%s  (%s)" % (result["model"]["vision_dtype"], result["model"]["vision_why"])),
         ("cores", result["cores"]["why"]),
         ("memory", memory["why"]),
         ("reserve", "%s  (%s)" % (_gib(memory["reserve_bytes"]), memory["reserve_why"])),

@@ -70,12 +70,14 @@ def describe(plan: dict) -> str:
     )
 
 
-def _key(plan: dict) -> tuple:
+def plan_key(plan: dict) -> tuple:
+    """What makes two plans the same configuration to measure."""
     return (
         tuple(tuple(w["cpus"]) for w in plan["worker_list"]),
         plan["model"]["max_batch_size"],
         plan["model"]["dtype"],
         plan["model"]["packed_weights"],
+        plan["model"]["vision_dtype"],
     )
 
 
@@ -92,7 +94,7 @@ def autotune(options: AutotuneOptions) -> dict:
         except sizing.PlanError as error:
             rows.append({"config": "%s (%s)" % (policy.dtype, error), "fits": False})
             continue
-        key = _key(plan)
+        key = plan_key(plan)
         if key in seen:  # two policies that plan the same thing are measured once
             continue
         seen[key] = len(rows)
@@ -129,7 +131,7 @@ def autotune(options: AutotuneOptions) -> dict:
                 "ttft_p50_s": report["ttft_s"]["p50"],
                 "failed": report["failed"],
                 "peak_rss_bytes": peak,
-                "is_plan": key == _key(chosen),
+                "is_plan": key == plan_key(chosen),
             }
         )
     measured = [r for r in rows if r.get("request_throughput")]

@@ -74,6 +74,7 @@ def naive_settings(model: Path) -> dict[str, str]:
     min_pixels, max_pixels = processor_default_pixels(model)
     return {
         "dtype": "float32",
+        "vision_dtype": "float32",
         "threads": str(torch.get_num_threads()),  # torch's default in a fresh process on this machine
         "min_pixels": str(min_pixels),
         "max_pixels": str(max_pixels),
@@ -181,7 +182,7 @@ def measure_config(config: _Config, options: CompareOptions) -> dict:
         for server in servers:
             server.stop()
     return {
-        "server": {k: info.get(k) for k in ("dtype", "threads", "packed_weights")},
+        "server": {k: info.get(k) for k in ("dtype", "vision_dtype", "threads", "packed_weights")},
         "workers": len(urls),
         "ready_s": _median(startups),
         "ready_runs_s": startups,
@@ -257,6 +258,7 @@ def compare(options: CompareOptions) -> dict:
             "dtype": plan["model"]["dtype"],
             "max_batch_size": plan["model"]["max_batch_size"],
             "packed_weights": plan["model"]["packed_weights"],
+            "vision_dtype": plan["model"]["vision_dtype"],
         },
         "bandwidth": bandwidth
         | {

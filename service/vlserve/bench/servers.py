@@ -43,7 +43,9 @@ class LocalServer:
         environment: dict[str, str] | None = None,
         port: int | None = None,
         name: str = "vlserve",
+        args: list[str] | None = None,
     ):
+        """`args`: extra `vlserve serve` flags (they win over settings, as on the command line)."""
         self.port = port or free_port()
         self.url = "http://127.0.0.1:%d" % self.port
         self.name = name
@@ -55,7 +57,7 @@ class LocalServer:
         env.update({"VLSERVE_MODEL": str(model), "VLSERVE_HOST": "127.0.0.1", "VLSERVE_PORT": str(self.port)})
         self.started = time.perf_counter()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "vlserve.cli", "serve"],
+            [sys.executable, "-m", "vlserve.cli", "serve", *(args or [])],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,

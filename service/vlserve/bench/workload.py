@@ -41,8 +41,9 @@ def synthetic_photo(width: int, height: int, seed: int) -> bytes:
         colour = tuple(rng.randrange(256) for _ in range(3))
         (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1, y1), fill=colour)
     picture = picture.filter(ImageFilter.GaussianBlur(1.5))
-    noise = Image.effect_noise((width, height), 24).convert("RGB")
-    picture = Image.blend(picture, noise, 0.08)
+    # Sensor-like grain from the seeded generator (Image.effect_noise would differ on every call).
+    grain = Image.frombytes("L", (width // 4, height // 4), rng.randbytes((width // 4) * (height // 4)))
+    picture = Image.blend(picture, grain.resize((width, height)).convert("RGB"), 0.08)
     out = io.BytesIO()
     picture.save(out, format="JPEG", quality=90)
     return out.getvalue()

@@ -1,0 +1,200 @@
+"""The benchmark tools work, on the tiny model: counts, shapes and error kinds, never speeds.
+
+Speed claims live in `vlserve bench-compare` runs (README), not in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+import yaml
+from transformers import Qwen3VLForConditionalGeneration
+
+from conftest import REPO, Server, run_tool
+from vlserve import sizing
+from vlserve.bench.autotune import AutotuneOptions, candidates, plan_key
+from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth
+from vlserve.bench.loadgen import chat_url, percentile
+from vlserve.bench.workload import Workload, parse_size, synthetic_photo
+
+
+def bench(*args: str, status: int = 0) -> dict:
+    """`vlserve bench --json`; it exits 1 when not one request succeeded."""
+    result = run_tool("vlserve", "bench", "--json", *args, timeout=300)
+    assert result.returncode == status, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_percentiles_match_the_statistics_module():
+    values = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.3]
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    for q in (5, 50, 95, 99):
+        assert percentile(values, q) == pytest.approx(cuts[q - 1])
+    assert percentile([], 50) is None
+
+
+def test_urls_and_sizes_are_read_as_people_write_them():
+    for given in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/chat/completions"):
+        assert chat_url(given) == "http://h:1/v1/chat/completions"
+    assert parse_size("1280x720") == (1280, 720)
+    for bad in ("big", "0x10", "10x"):
+        with pytest.raises(ValueError, match="image size"):
+            parse_size(bad)
+
+
+def test_the_request_set_is_the_same_on_every_run():
+    from PIL import Image  # noqa: PLC0415
+
+    first, again = synthetic_photo(320, 200, seed=3), synthetic_photo(320, 200, seed=3)
+    assert first == again != synthetic_photo(320, 200, seed=4)
+    import io  # noqa: PLC0415
+
+    assert Image.open(io.BytesIO(first)).size == (320, 200)
+    workload = Workload(image_size=(64, 48), max_tokens=5)
+    body = workload.payload(2, "m")
+    assert body["max_tokens"] == 5 and body["ignore_eos"] and body["stream"] and body["model"] == "m"
+    assert workload.payload(2, None) == {k: v for k, v in body.items() if k != "model"}
+    assert (
+        Workload(image_size=None).payload(0, None)["messages"][0]["content"]
+        == Workload().payload(0, None)["messages"][0]["content"][1]["text"]
+    )
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model):
+    running = Server(tiny_model, "--api-key", "sesame").wait_ready()
+    yield running
+    running.stop()
+
+
+def test_bench_counts_every_request_and_token_and_sees_the_server(server):
+    report = bench("--url", server.url, "--concurrency", "2", "--requests", "6", "--max-tokens", "5")
+    assert report["schema"] == "vlserve.bench/1"
+    assert (report["completed"], report["failed"], report["errors"]) == (6, 0, {})
+    assert report["output_tokens"] == 6 * 5  # ignore_eos: every answer is max_tokens long
+    assert report["prompt_tokens"] > 6
+    assert report["e2e_s"]["p50"] > 0 and report["e2e_s"]["p99"] >= report["e2e_s"]["p50"]
+    assert report["request_throughput"] == pytest.approx(6 / report["elapsed_s"])
+    assert report["server_pids"] == [server.process.pid]
+    assert report["server_peak_rss_bytes"] >= server.rss() * 0.5
+
+
+def test_bench_at_a_rate_and_with_a_text_only_workload(server):
+    report = bench("--url", server.url, "--rate", "20", "--requests", "4", "--max-tokens", "3", "--image-size", "none")
+    assert (report["completed"], report["failed"]) == (4, 0)
+    assert report["load"]["rate"] == 20
+
+
+def test_bench_reports_failures_by_kind(keyed_server):
+    report = bench("--url", keyed_server.url, "--requests", "3", "--warmup", "0", status=1)
+    assert (report["completed"], report["failed"], report["errors"]) == (0, 3, {"http_4xx": 3})
+    report = bench("--url", keyed_server.url, "--requests", "2", "--api-key", "sesame", "--max-tokens", "2")
+    assert (report["completed"], report["failed"]) == (2, 0)
+    closed = bench("--url", "http://127.0.0.1:9", "--requests", "2", "--warmup", "0", status=1)
+    assert closed["errors"] == {"connection": 2}
+
+
+def test_decode_bytes_are_the_language_model_weights_a_step_reads(tiny_model):
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    text = model.model.language_model
+    embedding = text.embed_tokens.weight.numel()
+    per_step = sum(p.numel() for p in text.parameters()) - embedding + model.lm_head.weight.numel()
+    assert decode_bytes_per_token(tiny_model, "bfloat16") == 2 * per_step
+    assert decode_bytes_per_token(tiny_model, "float32") == 4 * per_step
+
+
+def test_bandwidth_is_measured_on_a_buffer_of_the_asked_size():
+    result = measure_read_bandwidth(1, size_bytes=64 * 2**20, repeats=3)
+    assert result["buffer_bytes"] == 64 * 2**20 and result["bytes_per_s"] > 0
+
+
+def test_compare_runs_naive_and_tuned_and_fills_every_figure(tiny_model, tmp_path):
+    out = tmp_path / "compare.json"
+    result = run_tool(
+        "vlserve",
+        "bench-compare",
+        "--model-dir",
+        str(tiny_model),
+        "--latency-requests",
+        "2",
+        "--throughput-requests",
+        "4",
+        "--cache-pairs",
+        "1",
+        "--startup-runs",
+        "1",
+        "--max-tokens",
+        "4",
+        "--image-size",
+        "256x192",
+        "--output",
+        str(out),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    plan = sizing.plan(sizing.probe())
+    assert data["naive"]["server"] == {
+        "dtype": "float32",
+        "vision_dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "packed_weights": False,
+    }
+    assert data["tuned"]["server"]["dtype"] == plan["model"]["dtype"]
+    assert data["tuned"]["server"]["vision_dtype"] == plan["model"]["vision_dtype"]
+    assert data["tuned"]["server"]["packed_weights"] == plan["model"]["packed_weights"]
+    assert data["tuned"]["workers"] == plan["workers"]["count"]
+    for name in ("naive", "tuned"):
+        assert data[name]["latency"]["completed"] == 2
+        assert data[name]["throughput"]["completed"] == 4
+        assert data[name]["ready_s"] > 0 and data[name]["peak_rss_bytes"] > 0
+    assert data["figures"]["throughput_ratio"] > 0
+    assert set(data["targets"]) == set(data["figures"])
+    assert data["bandwidth"]["decode_bytes_per_token"] == decode_bytes_per_token(tiny_model, plan["model"]["dtype"])
+    assert "| throughput, 4 clients (requests/min) |" in result.stdout
+
+
+def test_autotune_ranks_the_plan_and_writes_host_vars_the_role_accepts(tiny_model, tmp_path):
+    override = tmp_path / "host_vars.yml"
+    result = run_tool(
+        "vlserve",
+        "autotune",
+        "--model-dir",
+        str(tiny_model),
+        "--requests",
+        "2",
+        "--clients",
+        "2",
+        "--max-tokens",
+        "2",
+        "--image-size",
+        "128x128",
+        "--batch-sizes",
+        "1",
+        "2",
+        "--dtypes",
+        "float32",
+        "--write-override",
+        str(override),
+        "--json",
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    measured = [row for row in data["rows"] if row.get("request_throughput")]
+    facts = sizing.probe()
+    options = AutotuneOptions(model=tiny_model, batch_sizes=(1, 2), dtypes=("float32",))
+    distinct = {plan_key(sizing.plan(facts, policy)) for policy in candidates(facts, sizing.Policy(), options)}
+    assert len(measured) == len(distinct) >= 2  # every distinct plan once (policies that plan alike share a row)
+    assert len({row["config"] for row in measured}) == len(measured)
+    assert data["best"]["request_throughput"] == max(row["request_throughput"] for row in measured)
+    assert sum(1 for row in measured if row["is_plan"]) <= 1
+    variables = yaml.safe_load(override.read_text())
+    specs = yaml.safe_load((REPO / "roles/vlserve_facts/meta/argument_specs.yml").read_text())
+    options = specs["argument_specs"]["main"]["options"]
+    assert variables and set(variables) <= set(options)
+    policy = sizing.Policy.from_mapping({k.removeprefix("vlserve_facts_"): v for k, v in variables.items()})
+    assert policy.dtype == "float32" and policy.max_batch_size in (1, 2)
