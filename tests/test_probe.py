@@ -144,6 +144,21 @@ def test_tree_cgroup_v2_quota_cpuset_and_memory_limit(tree):
     assert sizing.probe(str(tree.root))["platform"]["container"] == "docker"
 
 
+def test_tree_cpus_of_our_own_slice_stay_in_the_plan_once_the_system_is_confined(tree):
+    """After confine_system, the probe runs on the housekeeping cores; vlserve.slice's CPUs are still ours."""
+    tree.cpus([[c] for c in range(4)])
+    tree.write("/proc/self/cgroup", "0::/user.slice/user-0.slice/session-3.scope")
+    tree.write("/proc/self/status", "Name:\tprobe\nCpus_allowed_list:\t0\n")
+    tree.write("/sys/fs/cgroup/cgroup.controllers", "cpuset cpu io memory pids")
+    tree.write("/sys/fs/cgroup/user.slice/user-0.slice/session-3.scope/cpuset.cpus.effective", "0")
+    assert sizing.probe(str(tree.root))["limits"]["allowed_cpus"] == [0]  # no slice of ours yet
+    tree.write("/sys/fs/cgroup/vlserve.slice/cgroup.controllers", "cpuset cpu memory")
+    tree.write("/sys/fs/cgroup/vlserve.slice/cpuset.cpus.effective", "1-3")
+    limits = sizing.probe(str(tree.root))["limits"]
+    assert limits["vlserve_slice_cpus"] == [1, 2, 3]
+    assert limits["allowed_cpus"] == [0, 1, 2, 3]
+
+
 def test_tree_cgroup_v1_cfs_quota(tree):
     tree.cpus([[c] for c in range(4)])
     tree.write("/proc/self/cgroup", "4:memory:/lxc/box\n3:cpu,cpuacct:/lxc/box\n2:cpuset:/lxc/box")

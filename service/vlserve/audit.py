@@ -10,6 +10,7 @@ from __future__ import annotations
 import configparser
 import glob
 import os
+import re
 import shutil
 from typing import Any
 
@@ -21,6 +22,8 @@ except ImportError:  # pragma: no cover - on targets
 AUDIT_SCHEMA = "vlserve.audit/1"
 SYSCTL_FILE = "/etc/sysctl.d/90-vlserve.conf"
 ZRAM_CONFIG = "/etc/systemd/zram-generator.conf"
+ZRAM_UNIT = "/etc/systemd/system/vlserve-zram.service"  # the zramctl fallback
+TUNED_PROFILE = "/etc/tuned/vlserve/tuned.conf"  # where tuned runs, the sysctl values live here
 SLICE_UNIT = "/etc/systemd/system/vlserve.slice"
 GOVERNOR_UNIT = "/etc/systemd/system/vlserve-cpu-governor.service"
 WSL_CONF = "/etc/wsl.conf"
@@ -59,6 +62,24 @@ def _sysctl_file(text: str | None) -> dict[str, str] | None:
     return values
 
 
+def _zram_unit(text: str | None) -> dict[str, str] | None:
+    """The zramctl unit's size and algorithm, in the generator's terms."""
+    if text is None:
+        return None
+    size = re.search(r"zramctl /dev/zram0 --size (\d+)M", text)
+    algorithm = re.search(r"--algorithm (\S+)", text)
+    if not size or not algorithm:
+        return None
+    return {"zram-size": size.group(1), "compression-algorithm": algorithm.group(1)}
+
+
+def _tuned_sysctl(text: str | None) -> dict[str, str] | None:
+    profile = _ini(text)
+    if profile is None or not profile.has_section("sysctl"):
+        return None
+    return dict(profile["sysctl"])
+
+
 def probe_tuning(root: str = "/") -> dict[str, Any]:
     """What the tuning roles have written on this host, read back from the files themselves."""
     zram = _ini(_read(root, ZRAM_CONFIG))
@@ -67,8 +88,10 @@ def probe_tuning(root: str = "/") -> dict[str, Any]:
     effective = _read(root, "/sys/fs/cgroup/vlserve.slice/cpuset.cpus.effective")
     libgomp = any(glob.glob(os.path.join(root, directory.lstrip("/"), "libgomp.so.1")) for directory in LIBRARY_DIRS)
     return {
-        "sysctl_file": _sysctl_file(_read(root, SYSCTL_FILE)),
-        "zram_config": dict(zram["zram0"]) if zram is not None and zram.has_section("zram0") else None,
+        "sysctl_file": _sysctl_file(_read(root, SYSCTL_FILE)) or _tuned_sysctl(_read(root, TUNED_PROFILE)),
+        "zram_config": dict(zram["zram0"])
+        if zram is not None and zram.has_section("zram0")
+        else _zram_unit(_read(root, ZRAM_UNIT)),
         "slice": {
             "allowed_cpus": sizing.parse_cpu_list(slice_unit.get("Slice", "AllowedCPUs", fallback=""))
             if slice_unit is not None

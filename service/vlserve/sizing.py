@@ -353,7 +353,13 @@ def _probe_limits(tree: _Tree, libraries: bool, cpu: dict[str, Any], sources: di
         sources["affinity"] = "/proc/self/status"
 
     online = {entry["cpu"] for entry in cpu["topology"]}
-    allowed = sorted(online.intersection(affinity).intersection(cpuset if cpuset else online))
+    allowed = online.intersection(affinity).intersection(cpuset if cpuset else online)
+    # CPUs our own slice already holds are ours to plan with: once system.slice and user.slice are
+    # confined to the housekeeping cores, this probe runs there and would otherwise see only those.
+    slice_cpus = None
+    if version == "v2" and tree.read("/sys/fs/cgroup/vlserve.slice/cgroup.controllers") is not None:
+        slice_cpus = parse_cpu_list(tree.read("/sys/fs/cgroup/vlserve.slice/cpuset.cpus.effective") or "") or None
+    allowed = sorted(allowed | online.intersection(slice_cpus or []))
     return {
         "cgroup_version": version,
         "affinity": affinity,
@@ -367,6 +373,7 @@ def _probe_limits(tree: _Tree, libraries: bool, cpu: dict[str, Any], sources: di
         "vlserve_slice_bytes": tree.read_int("/sys/fs/cgroup/vlserve.slice/memory.current")
         if version == "v2"
         else None,
+        "vlserve_slice_cpus": slice_cpus,
     }
 
 

@@ -1,0 +1,67 @@
+"""The audit reads back what the roles wrote, whichever way they wrote it (sysctl.d or tuned, zram-generator
+or the zramctl unit): rendered from the roles' own templates into a scratch root."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jinja2
+import pytest
+
+from conftest import REPO
+from vlserve import audit
+
+MEMORY_TEMPLATES = REPO / "roles" / "vlserve_memory" / "templates"
+
+
+def render(name: str, **context) -> str:
+    environment = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    environment.filters["comment"] = lambda text: "#\n# %s\n#" % text
+    return environment.from_string((MEMORY_TEMPLATES / name).read_text()).render(
+        ansible_managed="Managed by Ansible (vlserve toolkit)", **context
+    )
+
+
+PLAN = {
+    "knobs": {
+        "zram": {"value": {"size_bytes": 4 * 2**30, "algorithm": "zstd", "priority": 100}, "why": "zram"},
+        "swappiness": {"value": 180, "why": "zram only"},
+        "page_cluster": {"value": 0, "why": "zram"},
+    }
+}
+
+
+@pytest.fixture
+def root(tmp_path) -> pathlib.Path:
+    return tmp_path
+
+
+def write(root: pathlib.Path, path: str, text: str) -> None:
+    target = root / path.lstrip("/")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+
+
+@pytest.mark.parametrize("where", [audit.ZRAM_CONFIG, audit.ZRAM_UNIT])
+def test_zram_written_by_either_method_reads_the_same(root, where):
+    template = "zram-generator.conf.j2" if where == audit.ZRAM_CONFIG else "vlserve-zram.service.j2"
+    write(root, where, render(template, vlserve_plan=PLAN))
+    assert audit.probe_tuning(str(root))["zram_config"] == {
+        **({"swap-priority": "100"} if where == audit.ZRAM_CONFIG else {}),
+        "zram-size": "4096",
+        "compression-algorithm": "zstd",
+    }
+
+
+@pytest.mark.parametrize("where", [audit.SYSCTL_FILE, audit.TUNED_PROFILE])
+def test_sysctls_written_to_sysctl_d_or_a_tuned_profile_read_the_same(root, where):
+    if where == audit.SYSCTL_FILE:
+        write(root, where, render("sysctl.conf.j2", vlserve_plan=PLAN))
+    else:
+        write(root, where, render("tuned.conf.j2", vlserve_plan=PLAN, __vlserve_memory_tuned_parent_profile="balanced"))
+    assert audit.probe_tuning(str(root))["sysctl_file"] == {"vm.swappiness": "180", "vm.page-cluster": "0"}
+
+
+def test_nothing_written_reads_as_nothing(root):
+    tuning = audit.probe_tuning(str(root))
+    assert tuning["zram_config"] is None and tuning["sysctl_file"] is None
