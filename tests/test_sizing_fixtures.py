@@ -47,7 +47,7 @@ def test_xeon_gold_two_sockets_float32_five_threads_per_worker():
     assert workers_of(result)[:3] == [(0, [1, 2, 3, 4, 5]), (0, [6, 7, 8, 9, 10]), (0, [11, 12, 13, 14, 15])]
     assert {node for node, _ in workers_of(result)} == {0, 1}
     assert result["workers"]["numa_bind"] is True
-    assert "memory allows 9" in result["workers"]["why"]
+    assert "memory allows 8" in result["workers"]["why"]
     # SMT siblings (32-63) are never torch CPUs; each worker may use its own cores' siblings.
     assert result["worker_list"][0]["sibling_cpus"] == [33, 34, 35, 36, 37]
     assert result["knobs"]["cpu_governor"] == {
@@ -79,7 +79,7 @@ def test_e5_2680v4_avx2_only():
 def test_small_laptop_shrinks_the_batch_and_takes_bfloat16_to_fit():
     result = sizing.plan(load_topology("i7-11800h-laptop-8g"))
     assert result["model"]["dtype"] == "bfloat16"
-    assert "float32 worker needs 12.4 GiB and 5.6 GiB is available" in result["model"]["why"]
+    assert "float32 worker needs 12.5 GiB and 5.6 GiB is available" in result["model"]["why"]
     assert result["model"]["max_batch_size"] == 1
     assert "does not fit" in result["model"]["batch_why"]
     assert result["workers"]["count"] == 1

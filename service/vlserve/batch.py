@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from vlserve.kvcache import new_cache
 
 
 @dataclass
 class BatchState:
-    cache: DynamicCache
+    cache: Cache
     attention_mask: torch.Tensor  # [B, L] 1 for real tokens, 0 for padding
     text_positions: torch.Tensor  # [B] position of the next token fed for each row
     rope_deltas: torch.Tensor  # [B] M-RoPE delta of each row
@@ -91,15 +93,15 @@ def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _layers(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _rebuild(cache: DynamicCache, change) -> DynamicCache:
-    return DynamicCache(ddp_cache_data=[(change(k), change(v)) for k, v in _layers(cache)])
+def _rebuild(cache: Cache, change) -> Cache:
+    return new_cache(len(cache.layers), [(change(k), change(v)) for k, v in _layers(cache)])
 
 
-def _concat_caches(a: DynamicCache, a_len: int, b: DynamicCache, b_len: int, length: int) -> DynamicCache:
+def _concat_caches(a: Cache, a_len: int, b: Cache, b_len: int, length: int) -> Cache:
     merged = []
     for (ak, av), (bk, bv) in zip(_layers(a), _layers(b), strict=True):
         merged.append(
@@ -108,4 +110,4 @@ def _concat_caches(a: DynamicCache, a_len: int, b: DynamicCache, b_len: int, len
                 torch.cat([_pad_left(av, length, 2), _pad_left(bv, length, 2)], dim=0),
             )
         )
-    return DynamicCache(ddp_cache_data=merged)
+    return new_cache(len(merged), merged)

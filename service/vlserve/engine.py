@@ -30,6 +30,7 @@ from PIL import Image
 from vlserve import sizing
 from vlserve.batch import BatchState
 from vlserve.caches import LRUCache
+from vlserve.kvcache import new_cache
 from vlserve.metrics import Metrics
 from vlserve.packing import pack_language_model, packing_supported
 from vlserve.sampling import SamplingParams, next_tokens
@@ -687,9 +688,7 @@ class _WaitingSink:
 
 
 def _new_cache(model):
-    from transformers import DynamicCache  # noqa: PLC0415
-
-    return DynamicCache(config=model.config)
+    return new_cache(model.config.text_config.num_hidden_layers)
 
 
 def _feature_bytes(entry) -> int:

@@ -742,6 +742,7 @@ def _gib(value: float) -> str:
 
 
 MIN_CONTEXT_TOKENS = 2048  # a capped image (~200 tokens), a long question and a long answer
+KV_CHUNK_TOKENS = 128  # the service's key/value cache grows by this many tokens at a time (vlserve/kvcache.py)
 
 
 def worker_memory(
@@ -764,7 +765,8 @@ def worker_memory(
         weights += footprint.tied_head_parameters * width
     if vision_dtype is not None:
         weights += footprint.vision_parameters * (DTYPE_BYTES[vision_dtype] - width)
-    kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * batch_size * context_tokens
+    kv_tokens = batch_size * (context_tokens + KV_CHUNK_TOKENS)  # each sequence's buffer may hold a chunk spare
+    kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * kv_tokens
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
     # Loading into another dtype than the checkpoint's holds both copies for a moment
     # (measured: float32 from a bf16 checkpoint peaks at 12.3 GB for 8.3 GB steady).

@@ -1,0 +1,78 @@
+"""A key/value cache that grows in chunks, so a decode step writes one column instead of copying the cache.
+
+transformers' DynamicLayer appends with `torch.cat`: every decode step copies every layer's whole
+cache (28 layers x keys and values), a cost that grows with the context. Measured on the real-size
+Qwen3-VL-2B with a 217-token prompt: 17 ms of a 219 ms decode step. Here each layer keeps a buffer
+with room for `CHUNK` more tokens and hands the attention a view of its filled part; it reallocates
+(one copy) once per `CHUNK` tokens. The same idea as the preallocated caches of vLLM and llama.cpp,
+without fixing the batch size or the context up front, because continuous batching rebuilds the
+cache whenever sequences join or leave (see batch.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from vlserve.sizing import KV_CHUNK_TOKENS as CHUNK  # the plan counts this headroom in each worker's memory
+
+
+class GrowingLayer(DynamicLayer):
+    """One decoder layer's keys and values, [batch, kv_heads, tokens, head_dim], in a buffer with headroom."""
+
+    def __init__(self):
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self._length = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, new = self._length, key_states.shape[-2]
+        end = start + new
+        if self._key_buffer is None or end > self._key_buffer.shape[-2]:
+            self._key_buffer = self._grow(self._key_buffer, key_states, end)
+            self._value_buffer = self._grow(self._value_buffer, value_states, end)
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
+        self._length = end
+        self.keys = self._key_buffer[:, :, :end]
+        self.values = self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, buffer: torch.Tensor | None, states: torch.Tensor, needed: int) -> torch.Tensor:
+        shape = list(states.shape)
+        shape[-2] = needed + CHUNK
+        grown = states.new_empty(shape)
+        if buffer is not None and self._length:
+            grown[:, :, : self._length].copy_(buffer[:, :, : self._length])
+        return grown
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._key_buffer = self._value_buffer = None
+        self._length = 0
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("vlserve never crops its cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("vlserve never repeats rows of its cache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("vlserve selects rows by rebuilding the cache (batch.py)")
+
+
+def new_cache(layers: int, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Cache:
+    """An empty cache for `layers` decoder layers, or one holding `data` (keys, values per layer)."""
+    cache = Cache(layers=[GrowingLayer() for _ in range(layers)])
+    if data is not None:
+        for layer, (keys, values) in zip(cache.layers, data, strict=True):
+            layer.update(keys, values)
+    return cache
