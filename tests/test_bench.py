@@ -140,17 +140,20 @@ def test_compare_runs_naive_and_tuned_and_fills_every_figure(tiny_model, tmp_pat
     assert data["naive"]["server"] == {
         "dtype": "float32",
         "vision_dtype": "float32",
+        "prefill_dtype": "float32",
         "threads": torch.get_num_threads(),
         "packed_weights": False,
     }
     assert data["tuned"]["server"]["dtype"] == plan["model"]["dtype"]
     assert data["tuned"]["server"]["vision_dtype"] == plan["model"]["vision_dtype"]
+    assert data["tuned"]["server"]["prefill_dtype"] == plan["model"]["prefill_dtype"]
     assert data["tuned"]["server"]["packed_weights"] == plan["model"]["packed_weights"]
     assert data["tuned"]["workers"] == plan["workers"]["count"]
     for name in ("naive", "tuned"):
         assert data[name]["latency"]["completed"] == 2
         assert data[name]["throughput"]["completed"] == 4
         assert data[name]["ready_s"] > 0 and data[name]["peak_rss_bytes"] > 0
+        assert data[name]["settled_s"] >= data[name]["ready_s"]
     assert data["figures"]["throughput_ratio"] > 0
     assert set(data["targets"]) == set(data["figures"])
     assert data["bandwidth"]["decode_bytes_per_token"] == decode_bytes_per_token(tiny_model, plan["model"]["dtype"])

@@ -12,7 +12,7 @@ from PIL import Image
 
 from conftest import run_tool
 from vlserve.engine import ContextLengthExceeded, Engine, ImageInput, RequestTimeout
-from vlserve.packing import PackedLinear, packing_supported
+from vlserve.packing import PREFILL_ROWS, PackedLinear, packing_supported
 from vlserve.sampling import SamplingParams
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -209,7 +209,7 @@ def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path):
     engines = {}
     for packed in (False, True):
         engines[packed] = Engine(
-            ModelSettings(model=directory, dtype="bfloat16", packed_weights=packed),
+            ModelSettings(model=directory, dtype="bfloat16", packed_weights=packed, prefill_dtype="bfloat16"),
             LimitSettings(max_batch_size=4, max_context_tokens=1024, request_timeout_s=30),
         )
         engines[packed].load()
@@ -232,3 +232,48 @@ def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path):
     finally:
         for engine in engines.values():
             engine.shutdown()
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
+def test_prompt_sized_products_run_on_the_float32_copy_once_it_is_made():
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    layer = PackedLinear(plain, prefill_dtype=torch.float32)
+    prompt, step = torch.randn(PREFILL_ROWS + 5, 64).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16)
+    packed_prompt = torch.ops.mkldnn._linear_pointwise(prompt, layer.packed_weight, layer.bias, "none", [], "")
+    assert layer.prefill_copy_pending and torch.equal(layer(prompt), packed_prompt)  # no copy yet: packed path
+    layer.make_prefill_copy()
+    assert not layer.prefill_copy_pending and layer.prefill_weight.dtype == torch.float32
+    wide = torch.nn.functional.linear(prompt.float(), plain.weight.float(), plain.bias.float()).to(torch.bfloat16)
+    assert torch.equal(layer(prompt), wide)
+    assert torch.equal(
+        layer(step), torch.ops.mkldnn._linear_pointwise(step, layer.packed_weight, layer.bias, "none", [], "")
+    )
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
+def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path):
+    directory = tmp_path / "tiny-bf16"
+    assert run_tool("vlserve", "make-test-model", str(directory)).returncode == 0
+    engine = Engine(
+        ModelSettings(model=directory, dtype="bfloat16", packed_weights=True, prefill_dtype="float32"),
+        LimitSettings(max_batch_size=2, max_context_tokens=1024, request_timeout_s=30),
+    )
+    engine.load()
+    try:
+        layers = 7 * engine.model.config.text_config.num_hidden_layers  # the head never sees a prompt
+        assert engine.prefill_dtype == "float32" and engine.prefill_copies_pending == layers
+        engine.warmup()
+        assert engine.prefill_copies_pending == layers  # none while loading and warming up
+        engine.mark_ready()
+        deadline = time.monotonic() + 60
+        while engine.prefill_copies_pending:
+            assert time.monotonic() < deadline, "prefill copies never made"
+            time.sleep(0.05)
+        copies = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m.prefill_weight is not None]
+        assert len(copies) == layers and all(m.prefill_weight.dtype == torch.float32 for m in copies)
+        sequence, sink = run(engine, CONVERSATIONS[0], tokens=6, ignore_eos=True)
+        assert sequence.prompt.tokens >= PREFILL_ROWS  # this prompt's prefill ran on the copies
+        assert sink.error is None and len(sequence.generated) == 6
+    finally:
+        engine.shutdown()

@@ -107,6 +107,9 @@ def test_sapphire_rapids_amx_gives_bfloat16():
     assert result["workers"]["count"] == 13
     assert sum(result["workers"]["threads"]) == 55
     assert result["worker_list"][0]["environment"]["VLSERVE_DTYPE"] == "bfloat16"
+    # AMX makes bfloat16 products the fast ones: no float32 copies for prompts or the vision tower.
+    assert (result["model"]["prefill_dtype"], result["model"]["vision_dtype"]) == ("bfloat16", "bfloat16")
+    assert result["worker_list"][0]["environment"]["VLSERVE_PREFILL_DTYPE"] == "bfloat16"
 
 
 def test_hybrid_laptop_leaves_out_e_cores():
@@ -118,6 +121,9 @@ def test_hybrid_laptop_leaves_out_e_cores():
     assert result["worker_list"][0]["cpus"] == [1, 2, 3, 4, 5]
     assert result["worker_list"][0]["sibling_cpus"] == [15, 16, 17, 18, 19]
     assert result["model"]["dtype"] == "bfloat16"  # float32 (12.4 GiB) does not fit in 11.9 GiB
+    # Packed, but a float32 prompt copy (5.6 GB) would not leave room for the policy's batch.
+    assert result["model"]["packed_weights"] and result["model"]["prefill_dtype"] == "bfloat16"
+    assert "would cost the batch or a worker" in result["model"]["prefill_why"]
 
 
 def test_wsl2_with_6_gib_cannot_run_and_says_how_to_fix_it():
@@ -167,6 +173,18 @@ def test_this_machine_capture():
     assert result["worker_list"][0]["cpus"] == [0, 1]
     assert result["worker_list"][0]["environment"]["OMP_PLACES"] == "{0},{1}"
     assert "fewer than 4 cores" in result["cores"]["why"]
+    # AVX-512 BF16 without AMX, 23 GiB: bf16 packed decode, float32 prompts and vision tower.
+    model = result["model"]
+    assert (model["packed_weights"], model["vision_dtype"], model["prefill_dtype"]) == (True, "float32", "float32")
+    assert result["worker_list"][0]["environment"]["VLSERVE_PREFILL_DTYPE"] == "float32"
+    footprint = sizing.FOOTPRINTS["qwen3-vl-2b-instruct"]
+    copy_bytes = footprint.text_linear_parameters * 4
+    with_copy = result["memory"]["per_worker"]["weights_bytes"]
+    assert (
+        with_copy
+        == sizing.worker_memory(footprint, "bfloat16", 1, 2048, packed=True, vision_dtype="float32")["weights_bytes"]
+        + copy_bytes
+    )
 
 
 def test_policy_overrides_are_honoured_and_reported():

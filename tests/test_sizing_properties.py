@@ -128,6 +128,25 @@ def test_no_worker_spans_numa_nodes_and_cpu_lists_are_disjoint(facts, policy):
 
 @SETTINGS
 @given(hosts(), policies)
+def test_memory_for_speed_trades_never_cost_a_worker(facts, policy):
+    result = plan_or_none(facts, policy)
+    if result is None:
+        return
+    model = result["model"]
+    policy = sizing.Policy(**result["policy"])
+    budget = sizing._plan_memory_budget(facts["memory"], facts["limits"], policy)
+    bare = sizing.worker_memory(
+        sizing.FOOTPRINTS[policy.model], model["dtype"], model["max_batch_size"], model["max_context_tokens"]
+    )
+    by_node = sizing._plan_cores(facts["cpu"], facts["limits"], policy)["by_node"]
+    without = sizing._plan_workers(by_node, policy, budget["available_bytes"] // bare["high_bytes"])
+    assert result["workers"]["count"] == len(without)
+    if model["prefill_dtype"] != model["dtype"]:
+        assert model["packed_weights"]
+
+
+@SETTINGS
+@given(hosts(), policies)
 def test_plan_is_deterministic_and_does_not_touch_its_input(facts, policy):
     before = copy.deepcopy(facts)
     first = plan_or_none(facts, policy)

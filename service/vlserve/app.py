@@ -318,6 +318,8 @@ def create_app(
                 "running": engine.running,
                 "dtype": engine.dtype,
                 "vision_dtype": engine.vision_dtype,
+                "prefill_dtype": engine.prefill_dtype,
+                "prefill_copies_pending": engine.prefill_copies_pending,
                 "threads": engine.threads,
                 "packed_weights": engine.packed,
             }

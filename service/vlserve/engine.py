@@ -31,8 +31,8 @@ from vlserve import sizing
 from vlserve.batch import BatchState
 from vlserve.caches import LRUCache
 from vlserve.kvcache import new_cache
-from vlserve.metrics import Metrics
-from vlserve.packing import pack_language_model, packing_supported
+from vlserve.metrics import Metrics, anonymous_memory
+from vlserve.packing import pack_language_model, packing_supported, pending_prefill_copies
 from vlserve.sampling import SamplingParams, next_tokens
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -182,9 +182,12 @@ class Engine:
         self.dtype: str | None = None
         self.threads: int | None = None
         self.vision_dtype: str | None = None
+        self.prefill_dtype: str | None = None
         self.packed = False
         self.result_cache = LRUCache(limits.result_cache_entries)
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=_feature_bytes)
+        self._prefill_copies: list = []  # PackedLinear layers still waiting for their prefill copy
+        self._copies_started: float | None = None
         self._queue: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._batch: BatchState | None = None
@@ -217,6 +220,10 @@ class Engine:
             self.vision_dtype = sizing.plan_vision_dtype(facts["cpu"], self.dtype)[0]
         else:
             self.vision_dtype = self.model_settings.vision_dtype
+        if self.model_settings.prefill_dtype == "auto":
+            self.prefill_dtype = sizing.plan_prefill_dtype(facts["cpu"], self.dtype)[0]
+        else:
+            self.prefill_dtype = self.model_settings.prefill_dtype
         status("loading processor from %s" % path)
         processor = load_processor(path)
         processor.image_processor.size = {
@@ -230,11 +237,16 @@ class Engine:
         self.packed = False
         if self.model_settings.packed_weights and packing_supported(model.dtype):
             status("packing weights for oneDNN")
-            packed = pack_language_model(model, vision_dtype=getattr(torch, self.vision_dtype))
+            packed = pack_language_model(
+                model, vision_dtype=getattr(torch, self.vision_dtype), prefill_dtype=getattr(torch, self.prefill_dtype)
+            )
             self.packed = True
-            log.info("packed %d linear layers for oneDNN", packed)
-        elif self.vision_dtype != self.dtype:
-            model.model.visual.to(getattr(torch, self.vision_dtype))
+            self._prefill_copies = pending_prefill_copies(model)
+            log.info("packed %d linear layers for oneDNN (prompts in %s)", packed, self.prefill_dtype)
+        else:
+            self.prefill_dtype = self.dtype  # the prefill copy lives in the packed layers
+            if self.vision_dtype != self.dtype:
+                model.model.visual.to(getattr(torch, self.vision_dtype))
         self.processor, self.model = processor, model
         tokenizer = processor.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -400,11 +412,11 @@ class Engine:
                 sink.on_finish(reason, Usage(prompt.tokens, completion))
                 seq.done = True
                 return seq
-        rss = self._process.memory_info().rss
-        if self._memory_limit and rss > self._memory_limit and not warmup:
+        held = anonymous_memory(self._process)
+        if self._memory_limit and held > self._memory_limit and not warmup:
             raise MemoryPressure(
                 "resident memory %.1f GiB is over the limit of %.1f GiB; try again shortly"
-                % (rss / 2**30, self._memory_limit / 2**30),
+                % (held / 2**30, self._memory_limit / 2**30),
                 retry_after=5,
             )
         with self._wakeup:
@@ -424,13 +436,20 @@ class Engine:
 
     # -- the scheduler thread ---------------------------------------------------------------
 
+    @property
+    def prefill_copies_pending(self) -> int:
+        return len(self._prefill_copies)
+
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while not self._stopping:
+                if self._prefill_copies and self.state == "ready":
+                    self._make_prefill_copy()
                 with self._wakeup:
                     if not self._queue and not self._running:
-                        self._wakeup.wait(timeout=0.5)
+                        if not (self._prefill_copies and self.state == "ready"):
+                            self._wakeup.wait(timeout=0.5)
                         continue
                     admitted = self._admit()
                 try:
@@ -446,6 +465,18 @@ class Engine:
                     self._running, self._batch = [], None
                 self.metrics.queue_depth.set(len(self._queue))
                 self.metrics.batch_size.set(len(self._running))
+
+    def _make_prefill_copy(self) -> None:
+        """One layer's prefill copy per scheduler pass (10-30 ms each), so requests never wait long for them."""
+        if self._copies_started is None:
+            self._copies_started = time.monotonic()
+        self._prefill_copies.pop().make_prefill_copy()
+        if not self._prefill_copies:
+            log.info(
+                "%s prefill copies of the decoder's linear layers made in %.1f s",
+                self.prefill_dtype,
+                time.monotonic() - self._copies_started,
+            )
 
     def _admit(self) -> list[Sequence]:
         """Take waiting requests into free batch slots; expire those that waited past their deadline."""

@@ -67,6 +67,13 @@ class Metrics:
             "vlserve_resident_memory_bytes", "Resident memory of this worker", registry=registry
         )
         self.resident_memory.set_function(lambda: psutil.Process().memory_info().rss)
+        self.anonymous_memory = Gauge(
+            "vlserve_anonymous_memory_bytes",
+            "Resident memory less file-backed pages: what the memory guard compares with its limit",
+            registry=registry,
+        )
+        process = psutil.Process()
+        self.anonymous_memory.set_function(lambda: anonymous_memory(process))
         self.ready = Gauge("vlserve_ready", "1 once the model is loaded and warmed up", registry=registry)
         for cache in ("result", "vision"):
             self.cache_hits.labels(cache)
@@ -80,3 +87,13 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def anonymous_memory(process: psutil.Process) -> int:
+    """Resident memory the kernel cannot just drop: RSS less its file-backed pages.
+
+    The memory guard counts this, not RSS: pages of the checkpoint's memory map (held until the prefill
+    copies are made, see packing.py) are clean page cache that reclaim takes back for free.
+    """
+    info = process.memory_info()
+    return info.rss - info.shared

@@ -10,6 +10,15 @@ Packing copies the weights out of the checkpoint's memory map, so everything els
 the map is released: resident memory then counts each weight once and tells the memory guard the
 truth. The tied output embedding gets its own packed copy (+0.6 GB for Qwen3-VL-2B); the input
 embedding keeps the plain one for lookups.
+
+A prompt is the other kind of work: hundreds of rows at once, compute-bound. Without AMX, float32
+GEMMs beat the packed bfloat16 ones from about 48 rows on, so with `prefill_dtype=float32` each
+decoder layer also gets a float32 copy of its weight (+5.6 GB) and products of `PREFILL_ROWS` rows
+or more run on it; decode steps (one row per sequence) stay on the packed bfloat16 weight.
+Writing 5.6 GB of fresh memory took 5-14 s at load on this project's VMs (first-touch page faults),
+more than the whole rest of the load, so the copies are not made at load: each layer keeps a view of
+its checkpoint weight and the engine makes one copy per scheduler pass after it is ready
+(`make_prefill_copy`); until a layer has its copy, its prompts run on the packed weight.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from __future__ import annotations
 import gc
 
 import torch
+
+PREFILL_ROWS = 64  # from here on a float32 product beats the packed bf16 one (crossover ~48 rows measured)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -31,33 +42,59 @@ def packing_supported(dtype: torch.dtype) -> bool:
 class PackedLinear(torch.nn.Module):
     """`nn.Linear` whose weight lives in oneDNN's blocked layout; same math, same outputs."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, prefill_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         # The batch-size hint only picks the layout; other batch sizes run on the same packed weight.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        # Plain attributes, not buffers: nothing should copy or move them behind our back.
+        self.prefill_weight = self.prefill_bias = None
+        self._prefill_source: tuple[torch.Tensor, torch.Tensor | None, torch.dtype] | None = None
+        if prefill_dtype is not None and prefill_dtype != linear.weight.dtype:
+            bias = None if linear.bias is None else linear.bias.detach()
+            self._prefill_source = (linear.weight.detach(), bias, prefill_dtype)
+
+    @property
+    def prefill_copy_pending(self) -> bool:
+        return self._prefill_source is not None
+
+    def make_prefill_copy(self) -> None:
+        """Convert the plain weight into the prefill dtype and drop the view of the checkpoint."""
+        weight, bias, dtype = self._prefill_source
+        self.prefill_bias = None if bias is None else bias.to(dtype)
+        self.prefill_weight = weight.to(dtype)  # set last: forward() tests this one
+        self._prefill_source = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        if self.prefill_weight is not None and rows.shape[0] >= PREFILL_ROWS:
+            wide = rows.to(self.prefill_weight.dtype)
+            out = torch.nn.functional.linear(wide, self.prefill_weight, self.prefill_bias).to(x.dtype)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return "in_features=%d, out_features=%d, bias=%s, packed=onednn" % (
+        return "in_features=%d, out_features=%d, bias=%s, packed=onednn%s" % (
             self.in_features,
             self.out_features,
             self.bias is not None,
+            "" if self.prefill_weight is None else ", prefill=%s" % str(self.prefill_weight.dtype).split(".")[-1],
         )
 
 
-def pack_language_model(model: torch.nn.Module, vision_dtype: torch.dtype | None = None) -> int:
+def pack_language_model(
+    model: torch.nn.Module, vision_dtype: torch.dtype | None = None, prefill_dtype: torch.dtype | None = None
+) -> int:
     """Pack every linear layer of the text decoder and the output head; returns how many were packed.
 
     `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower is not packed: it runs
     once per image on hundreds of rows at a time, where the plain kernels are already compute-bound;
     `vision_dtype` converts it on the way out of the memory map (one copy instead of two).
+    `prefill_dtype`: the decoder layers' copy for prompts (the head only ever sees the last row), made
+    later by `make_prefill_copy` on each layer that `pending_prefill_copies` lists.
     """
     if vision_dtype is not None and vision_dtype != model.dtype:
         model.model.visual.to(vision_dtype)
@@ -66,12 +103,16 @@ def pack_language_model(model: torch.nn.Module, vision_dtype: torch.dtype | None
     for parent in list(text.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, prefill_dtype))
                 count += 1
     model.lm_head = PackedLinear(model.lm_head)
     count += 1
     _release_checkpoint_map(model)
     return count
+
+
+def pending_prefill_copies(model: torch.nn.Module) -> list[PackedLinear]:
+    return [m for m in model.modules() if isinstance(m, PackedLinear) and m.prefill_copy_pending]
 
 
 def _release_checkpoint_map(model: torch.nn.Module) -> None:

@@ -39,6 +39,11 @@ class ModelSettings(BaseSettings):
         description="vision encoder dtype; auto: float32 unless the CPU has AMX (without it bfloat16 "
         "matrix products are slower than float32 ones, and the encoder is compute-bound)",
     )
+    prefill_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="dtype of prompt-sized products in a packed bfloat16 model; auto: float32 unless the CPU "
+        "has AMX (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B)",
+    )
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch threads (default: one per physical core this process may use)"
     )

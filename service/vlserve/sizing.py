@@ -560,6 +560,7 @@ class ModelFootprint:
     head_dim: int
     tied_head_parameters: int  # the output head shares the input embedding's weights in the checkpoint
     vision_parameters: int  # the vision tower, which may run in another dtype than the language model
+    text_linear_parameters: int  # the text decoder's linear layers, of which prompts may use a float32 copy
     activation_bytes: int
     runtime_bytes: int
     provenance: str
@@ -575,6 +576,7 @@ FOOTPRINTS = {
         head_dim=128,
         tied_head_parameters=151_936 * 2048,
         vision_parameters=407_000_000,
+        text_linear_parameters=28 * (2 * 2048 * 2048 + 2 * 1024 * 2048 + 3 * 2048 * 6144),
         activation_bytes=GIB // 2,
         runtime_bytes=GIB // 2,
         provenance=(
@@ -753,11 +755,14 @@ def worker_memory(
     *,
     packed: bool = False,
     vision_dtype: str | None = None,
+    prefill_dtype: str | None = None,
 ) -> dict[str, int]:
     """Per-worker memory: steady state (weights + KV + activations + runtime) and the load peak.
 
     `packed`: the service's oneDNN-packed bfloat16 weights (vlserve/packing.py), where the tied output
     head gets its own copy. `vision_dtype`: the vision tower's, when it differs from `dtype`.
+    `prefill_dtype`: when it differs from `dtype`, a second copy of the text decoder's linear layers
+    in that dtype for prompts (vlserve/packing.py).
     """
     width = DTYPE_BYTES[dtype]
     weights = footprint.parameters * width
@@ -765,6 +770,8 @@ def worker_memory(
         weights += footprint.tied_head_parameters * width
     if vision_dtype is not None:
         weights += footprint.vision_parameters * (DTYPE_BYTES[vision_dtype] - width)
+    if prefill_dtype is not None and prefill_dtype != dtype:
+        weights += footprint.text_linear_parameters * DTYPE_BYTES[prefill_dtype]
     kv_tokens = batch_size * (context_tokens + KV_CHUNK_TOKENS)  # each sequence's buffer may hold a chunk spare
     kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * kv_tokens
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
@@ -788,32 +795,69 @@ def worker_memory(
     }
 
 
-def _fit_worker(footprint: ModelFootprint, dtype: str, cpu: dict[str, Any], policy: Policy, available: int):
+@dataclass(frozen=True)
+class WorkerFit:
+    """What one worker holds and costs: its batch and context, and the memory-for-speed trades it takes."""
+
+    memory: dict[str, int]
+    batch: int
+    context: int
+    batch_why: str
+    packed: bool
+    packed_why: str
+    vision_dtype: str
+    vision_why: str
+    prefill_dtype: str
+    prefill_why: str
+
+
+def _fit_worker(
+    footprint: ModelFootprint, dtype: str, cpu: dict[str, Any], policy: Policy, available: int, *, wanted_workers: int
+) -> WorkerFit:
     """The largest batch, then context, up to the policy's, with which one worker fits in `available`.
 
-    A float32 vision tower and packed weights (both faster, both costing memory) only where the
-    policy's whole batch and context fit with them; a tight host keeps its batch instead.
+    Three trades of memory for speed: a float32 vision tower, packed weights, a float32 prefill copy.
+    Each is taken only where the policy's whole batch and context still fit with it and no worker of
+    the `wanted_workers` the cores allow is lost to it (a worker is worth more than a faster phase of
+    one); a tight host keeps its batch and its workers instead.
     """
     batch, context = policy.max_batch_size, policy.max_context_tokens
+    extras: dict[str, Any] = {}
+
+    def affordable(**extra: Any) -> bool:
+        with_it = worker_memory(footprint, dtype, batch, context, **extras, **extra)["high_bytes"]
+        without = worker_memory(footprint, dtype, batch, context, **extras)["high_bytes"]
+        if with_it > available:
+            return False
+        return min(wanted_workers, available // with_it) >= min(wanted_workers, available // without)
+
     vision_dtype, vision_why = plan_vision_dtype(cpu, dtype)
-    if (
-        vision_dtype != dtype
-        and worker_memory(footprint, dtype, batch, context, vision_dtype=vision_dtype)["high_bytes"] > available
-    ):
-        vision_dtype, vision_why = dtype, "as the language model: a float32 copy does not fit beside the batch"
-    packed = (
-        dtype == "bfloat16"
-        and worker_memory(footprint, dtype, batch, context, packed=True, vision_dtype=vision_dtype)["high_bytes"]
-        <= available
-    )
-    if packed:
-        packed_why = "bfloat16: the language model's weights are packed for oneDNN at load (faster decode)"
-    elif dtype == "bfloat16":
-        packed_why = "not packed: the packed output head's extra copy does not fit beside the policy's batch"
-    else:
+    if vision_dtype != dtype:
+        if affordable(vision_dtype=vision_dtype):
+            extras["vision_dtype"] = vision_dtype
+        else:
+            vision_dtype, vision_why = dtype, "as the language model: a float32 copy would cost the batch or a worker"
+    packed = False
+    if dtype != "bfloat16":
         packed_why = "not packed: packing applies to bfloat16 weights only"
+    elif affordable(packed=True):
+        extras["packed"] = packed = True
+        packed_why = "bfloat16: the language model's weights are packed for oneDNN at load (faster decode)"
+    else:
+        packed_why = "not packed: the packed output head's extra copy would cost the batch or a worker"
+    prefill_dtype, prefill_why = plan_prefill_dtype(cpu, dtype)
+    if prefill_dtype != dtype:
+        if not packed:
+            prefill_dtype, prefill_why = dtype, "as the language model: the float32 prefill copy comes with packing"
+        elif affordable(prefill_dtype=prefill_dtype):
+            extras["prefill_dtype"] = prefill_dtype
+        else:
+            prefill_dtype, prefill_why = (
+                dtype,
+                ("as the language model: a float32 copy of its linear layers would cost the batch or a worker"),
+            )
     while True:
-        need = worker_memory(footprint, dtype, batch, context, packed=packed, vision_dtype=vision_dtype)
+        need = worker_memory(footprint, dtype, batch, context, **extras)
         if need["high_bytes"] <= available:
             break
         if batch > 1:
@@ -845,7 +889,18 @@ def _fit_worker(footprint: ModelFootprint, dtype: str, cpu: dict[str, Any], poli
             policy.max_context_tokens,
             _gib(available),
         )
-    return need, batch, context, why, packed, packed_why, vision_dtype, vision_why
+    return WorkerFit(
+        memory=need,
+        batch=batch,
+        context=context,
+        batch_why=why,
+        packed=packed,
+        packed_why=packed_why,
+        vision_dtype=vision_dtype,
+        vision_why=vision_why,
+        prefill_dtype=prefill_dtype,
+        prefill_why=prefill_why,
+    )
 
 
 def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
@@ -859,9 +914,9 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
     cores = _plan_cores(cpu, limits, policy)
     budget = _plan_memory_budget(memory, limits, policy)
     dtype, dtype_why = _plan_dtype(cpu, footprint, policy, budget["available_bytes"])
-    per_worker, batch, context, batch_why, packed, packed_why, vision_dtype, vision_why = _fit_worker(
-        footprint, dtype, cpu, policy, budget["available_bytes"]
-    )
+    wanted = cores["count_by_cores"] if policy.max_workers is None else min(cores["count_by_cores"], policy.max_workers)
+    fit = _fit_worker(footprint, dtype, cpu, policy, budget["available_bytes"], wanted_workers=wanted)
+    per_worker, batch, context = fit.memory, fit.batch, fit.context
     by_memory = budget["available_bytes"] // per_worker["high_bytes"]
     workers = _plan_workers(cores["by_node"], policy, by_memory)
     count = len(workers)
@@ -902,8 +957,9 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
                     "VLSERVE_DTYPE": dtype,
                     "VLSERVE_MAX_BATCH_SIZE": str(batch),
                     "VLSERVE_MAX_CONTEXT_TOKENS": str(context),
-                    "VLSERVE_PACKED_WEIGHTS": "true" if packed else "false",
-                    "VLSERVE_VISION_DTYPE": vision_dtype,
+                    "VLSERVE_PACKED_WEIGHTS": "true" if fit.packed else "false",
+                    "VLSERVE_VISION_DTYPE": fit.vision_dtype,
+                    "VLSERVE_PREFILL_DTYPE": fit.prefill_dtype,
                 },
             }
         )
@@ -918,11 +974,13 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
             "why": dtype_why,
             "max_batch_size": batch,
             "max_context_tokens": context,
-            "batch_why": batch_why,
-            "packed_weights": packed,
-            "packed_why": packed_why,
-            "vision_dtype": vision_dtype,
-            "vision_why": vision_why,
+            "batch_why": fit.batch_why,
+            "packed_weights": fit.packed,
+            "packed_why": fit.packed_why,
+            "vision_dtype": fit.vision_dtype,
+            "vision_why": fit.vision_why,
+            "prefill_dtype": fit.prefill_dtype,
+            "prefill_why": fit.prefill_why,
             "footprint_provenance": footprint.provenance,
         },
         "cores": {key: cores[key] for key in ("allowed", "candidates", "housekeeping", "usable", "why")},
@@ -1080,6 +1138,25 @@ def plan_vision_dtype(cpu: dict[str, Any], dtype: str) -> tuple[str, str]:
     return "float32", (
         "no AMX: float32 matrix products outrun bfloat16 ones, and the encoder is compute-bound "
         "(its float32 copy costs 0.8 GB)"
+    )
+
+
+def plan_prefill_dtype(cpu: dict[str, Any], dtype: str) -> tuple[str, str]:
+    """The dtype of the prompt's pass through the text decoder (prefill), which is compute-bound.
+
+    Decoding reads every weight once per token and wants bfloat16's half-size reads; a prompt of a few
+    hundred tokens is a matrix product as big as the vision tower's. Without AMX, float32 GEMMs beat
+    oneDNN's packed bfloat16 ones from about 48 rows on (0.66-0.72 of the time at 128-256 rows, on a
+    2-core Sapphire Rapids VM), so a bfloat16 worker keeps a float32 copy of the decoder's linear
+    layers for prompts of 64 tokens or more.
+    """
+    if dtype == "float32":
+        return "float32", "as the language model"
+    if cpu["isa"].get("amx_bf16"):
+        return "bfloat16", "AMX: bfloat16 matrix products are the fast ones"
+    return "float32", (
+        "no AMX: float32 matrix products outrun bfloat16 ones on prompts (a float32 copy of the "
+        "decoder's linear layers, 5.6 GB, beside the packed bfloat16 one that decodes)"
     )
 
 
@@ -1313,6 +1390,7 @@ def render_plan(result: dict[str, Any]) -> str:
         ("batch", result["model"]["batch_why"]),
         ("weights", result["model"]["packed_why"]),
         ("vision", "%s  (%s)" % (result["model"]["vision_dtype"], result["model"]["vision_why"])),
+        ("prefill", "%s  (%s)" % (result["model"]["prefill_dtype"], result["model"]["prefill_why"])),
         ("cores", result["cores"]["why"]),
         ("memory", memory["why"]),
         ("reserve", "%s  (%s)" % (_gib(memory["reserve_bytes"]), memory["reserve_why"])),

@@ -61,12 +61,14 @@ def candidates(facts: dict, base: sizing.Policy, options: AutotuneOptions) -> li
 
 
 def describe(plan: dict) -> str:
-    return "%d worker(s) x %s threads, batch %d, %s%s" % (
+    model = plan["model"]
+    return "%d worker(s) x %s threads, batch %d, %s%s%s" % (
         plan["workers"]["count"],
         "/".join(str(t) for t in sorted(set(plan["workers"]["threads"]))),
-        plan["model"]["max_batch_size"],
-        plan["model"]["dtype"],
-        ", packed" if plan["model"]["packed_weights"] else "",
+        model["max_batch_size"],
+        model["dtype"],
+        ", packed" if model["packed_weights"] else "",
+        ", %s prompts" % model["prefill_dtype"] if model["prefill_dtype"] != model["dtype"] else "",
     )
 
 
@@ -78,6 +80,7 @@ def plan_key(plan: dict) -> tuple:
         plan["model"]["dtype"],
         plan["model"]["packed_weights"],
         plan["model"]["vision_dtype"],
+        plan["model"]["prefill_dtype"],
     )
 
 

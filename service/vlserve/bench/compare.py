@@ -75,6 +75,7 @@ def naive_settings(model: Path) -> dict[str, str]:
     return {
         "dtype": "float32",
         "vision_dtype": "float32",
+        "prefill_dtype": "float32",
         "threads": str(torch.get_num_threads()),  # torch's default in a fresh process on this machine
         "min_pixels": str(min_pixels),
         "max_pixels": str(max_pixels),
@@ -108,7 +109,7 @@ class _Config:
     def start(self) -> list[LocalServer]:
         model = self.options.model
         if self.name == "naive":
-            return [LocalServer(model, naive_settings(model) | COMMON, name="naive").wait_ready()]
+            return [LocalServer(model, naive_settings(model) | COMMON, name="naive").wait_ready().wait_settled()]
         return start_plan_workers(model, self.plan, extra=COMMON)
 
 
@@ -124,11 +125,12 @@ def _single_requests(urls: list[str], bodies: list[dict]) -> list:
 
 
 def measure_config(config: _Config, options: CompareOptions) -> dict:
-    startups, peaks = [], []
+    startups, settled, peaks = [], [], []
     for run in range(options.startup_runs):
         _say(options, "%s: start %d of %d" % (config.name, run + 1, options.startup_runs))
         servers = config.start()
         startups.append(max(s.ready_after_s for s in servers))
+        settled.append(max(s.settled_after_s for s in servers))
         if run < options.startup_runs - 1:
             peaks.append(sum(s.peak_rss_bytes for s in servers))
             for server in servers:
@@ -182,10 +184,11 @@ def measure_config(config: _Config, options: CompareOptions) -> dict:
         for server in servers:
             server.stop()
     return {
-        "server": {k: info.get(k) for k in ("dtype", "vision_dtype", "threads", "packed_weights")},
+        "server": {k: info.get(k) for k in ("dtype", "vision_dtype", "prefill_dtype", "threads", "packed_weights")},
         "workers": len(urls),
         "ready_s": _median(startups),
         "ready_runs_s": startups,
+        "settled_s": _median(settled),
         "peak_rss_bytes": max(peaks),
         "latency": _strip(latency),
         "throughput": _strip(throughput),
@@ -259,6 +262,7 @@ def compare(options: CompareOptions) -> dict:
             "max_batch_size": plan["model"]["max_batch_size"],
             "packed_weights": plan["model"]["packed_weights"],
             "vision_dtype": plan["model"]["vision_dtype"],
+            "prefill_dtype": plan["model"]["prefill_dtype"],
         },
         "bandwidth": bandwidth
         | {
@@ -361,6 +365,12 @@ def render_compare(result: dict) -> str:
             tuned["ready_s"],
             "%.1f",
             target="tuned " + met("ready_s"),
+        ),
+        row(
+            "background work done (prefill copies), after process start (s)",
+            naive["settled_s"],
+            tuned["settled_s"],
+            "%.1f",
         ),
         row("peak resident memory (GB)", naive["peak_rss_bytes"] / 1e9, tuned["peak_rss_bytes"] / 1e9, "%.2f"),
         "",

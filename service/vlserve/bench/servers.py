@@ -66,6 +66,7 @@ class LocalServer:
         )
         self.memory = MemoryWatch([self.process.pid], interval_s=0.1).__enter__()
         self.ready_after_s: float | None = None
+        self.settled_after_s: float | None = None
 
     def wait_ready(self, timeout_s: float = 900) -> LocalServer:
         deadline = time.perf_counter() + timeout_s
@@ -80,6 +81,16 @@ class LocalServer:
                 pass
             time.sleep(0.05)
         raise ServerFailed("%s not ready after %.0f s:\n%s" % (self.name, timeout_s, self.output(40)))
+
+    def wait_settled(self, timeout_s: float = 900) -> LocalServer:
+        """Wait for the work a ready worker still does in the background (its float32 prefill copies)."""
+        deadline = time.perf_counter() + timeout_s
+        while self.info().get("prefill_copies_pending"):
+            if time.perf_counter() > deadline:
+                raise ServerFailed("%s still making prefill copies after %.0f s" % (self.name, timeout_s))
+            time.sleep(0.1)
+        self.settled_after_s = time.perf_counter() - self.started
+        return self
 
     def info(self) -> dict:
         return httpx.get(self.url + "/readyz", timeout=5).json()
@@ -130,6 +141,8 @@ def start_plan_workers(model: Path, plan: dict, extra: dict[str, str] | None = N
             )
         for server in servers:
             server.wait_ready()
+        for server in servers:  # benchmarks measure the steady state, not the first seconds
+            server.wait_settled()
     except BaseException:
         for server in servers:
             server.stop()
