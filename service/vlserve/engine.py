@@ -470,7 +470,14 @@ class Engine:
         """One layer's prefill copy per scheduler pass (10-30 ms each), so requests never wait long for them."""
         if self._copies_started is None:
             self._copies_started = time.monotonic()
-        self._prefill_copies.pop().make_prefill_copy()
+        try:
+            self._prefill_copies.pop().make_prefill_copy()
+        except RuntimeError as error:  # out of memory, most likely: prompts stay on the packed weights
+            log.error("giving up the %s prefill copies: %s", self.prefill_dtype, error)
+            for layer in self._prefill_copies:
+                layer.drop_prefill_source()
+            self._prefill_copies = []
+            return
         if not self._prefill_copies:
             log.info(
                 "%s prefill copies of the decoder's linear layers made in %.1f s",

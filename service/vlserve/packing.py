@@ -67,6 +67,10 @@ class PackedLinear(torch.nn.Module):
         self.prefill_weight = weight.to(dtype)  # set last: forward() tests this one
         self._prefill_source = None
 
+    def drop_prefill_source(self) -> None:
+        """Give up on the copy (prompts keep running on the packed weight) and release the view."""
+        self._prefill_source = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.prefill_weight is not None and rows.shape[0] >= PREFILL_ROWS:
