@@ -7,8 +7,8 @@ its blocked layout once, at load, reaches about 23 GB/s (the memory's read bandw
 That is the layout IPEX and torch.compile's freezing pass use; here it is applied without either.
 
 Packing copies the weights out of the checkpoint's memory map, so everything else is copied too and
-the map is released: resident memory then counts each weight once and tells the memory guard the
-truth. The tied output embedding gets its own packed copy (+0.6 GB for Qwen3-VL-2B); the input
+the map is released (once any float32 prefill copies below are made): resident memory then counts
+each weight once. The tied output embedding gets its own packed copy (+0.6 GB for Qwen3-VL-2B); the input
 embedding keeps the plain one for lookups.
 
 A prompt is the other kind of work: hundreds of rows at once, compute-bound. Without AMX, float32
