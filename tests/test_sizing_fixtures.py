@@ -187,6 +187,25 @@ def test_this_machine_capture():
     )
 
 
+def test_quantize_int8_is_opt_in_and_needs_vnni():
+    facts = load_topology("this-machine")  # AVX-512 VNNI
+    default = sizing.plan(facts)
+    quantized = sizing.plan(facts, sizing.Policy(quantize="int8"))
+    model = quantized["model"]
+    assert (model["dtype"], model["vision_dtype"], model["prefill_dtype"]) == ("bfloat16", "int8", "int8")
+    assert "numerics change" in model["vision_why"] and "numerics change" in model["prefill_why"]
+    env = quantized["worker_list"][0]["environment"]
+    assert (env["VLSERVE_VISION_DTYPE"], env["VLSERVE_PREFILL_DTYPE"]) == ("int8", "int8")
+    # An int8 prefill copy is a quarter of the float32 one; the int8 vision tower half the bf16 one.
+    footprint = sizing.FOOTPRINTS["qwen3-vl-2b-instruct"]
+    saved = default["memory"]["per_worker"]["weights_bytes"] - quantized["memory"]["per_worker"]["weights_bytes"]
+    assert saved == footprint.text_linear_parameters * 3 + footprint.vision_parameters * 3
+    # Without VNNI (AVX2 only) the policy is reported and not applied: int8 would be slower there.
+    old = sizing.plan(load_topology("xeon-e5-2680v4"), sizing.Policy(quantize="int8"))
+    assert old["model"]["vision_dtype"] == old["model"]["prefill_dtype"] == "float32"
+    assert "quantize=int8 not applied: no AVX-512 VNNI" in old["model"]["vision_why"]
+
+
 def test_policy_overrides_are_honoured_and_reported():
     facts = load_topology("xeon-gold-6248r-2s")
     result = sizing.plan(facts, sizing.Policy(max_workers=2, dtype="bfloat16", housekeeping_cores=0, swappiness=30))
@@ -207,6 +226,7 @@ def test_allowed_cpus_outside_the_host_are_refused():
     "values, message",
     [
         ({"objective": "fastest"}, "objective must be throughput or latency"),
+        ({"quantize": "int4"}, "quantize must be none or int8"),
         ({"swappiness": 500}, "swappiness must be empty or an integer from 0 to 200"),
         ({"zram_fraction": "lots"}, "zram_fraction must be a number"),
         ({"allowed_cpus": "0-x"}, "allowed_cpus must be a CPU list"),

@@ -32,7 +32,7 @@ from vlserve.batch import BatchState
 from vlserve.caches import LRUCache
 from vlserve.kvcache import new_cache
 from vlserve.metrics import Metrics, anonymous_memory
-from vlserve.packing import pack_language_model, packing_supported, pending_prefill_copies
+from vlserve.packing import convert_vision_tower, pack_language_model, packing_supported, pending_prefill_copies
 from vlserve.sampling import SamplingParams, next_tokens
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -245,8 +245,7 @@ class Engine:
             log.info("packed %d linear layers for oneDNN (prompts in %s)", packed, self.prefill_dtype)
         else:
             self.prefill_dtype = self.dtype  # the prefill copy lives in the packed layers
-            if self.vision_dtype != self.dtype:
-                model.model.visual.to(getattr(torch, self.vision_dtype))
+            convert_vision_tower(model, getattr(torch, self.vision_dtype))
         self.processor, self.model = processor, model
         tokenizer = processor.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

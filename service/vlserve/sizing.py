@@ -591,6 +591,7 @@ FOOTPRINTS = {
 }
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+COMPUTE_BYTES = DTYPE_BYTES | {"int8": 1}  # the vision tower's and the prefill copy's dtypes may also be int8
 
 
 # --------------------------------------------------------------------------------------------
@@ -612,6 +613,13 @@ class Policy:
     dtype: str = field(
         default="auto",
         metadata={"help": "auto (bfloat16 with AVX-512 BF16 or AMX, else float32 if it fits), bfloat16 or float32"},
+    )
+    quantize: str = field(
+        default="none",
+        metadata={
+            "help": "none, or int8: the vision tower and prompts through dynamic int8 products (AVX-512 VNNI or "
+            "AMX; time to first token about halved, the model's numerics change); decoding stays in dtype"
+        },
     )
     min_threads_per_worker: int = field(
         default=4, metadata={"help": "throughput objective: the fewest cores a worker gets"}
@@ -656,6 +664,8 @@ class Policy:
             bad("model", "one of " + ", ".join(sorted(FOOTPRINTS)))
         if self.dtype not in ("auto", *DTYPE_BYTES):
             bad("dtype", "auto, bfloat16 or float32")
+        if self.quantize not in ("none", "int8"):
+            bad("quantize", "none or int8")
         for name, low, high in (
             ("min_threads_per_worker", 1, 1024),
             ("max_batch_size", 1, 256),
@@ -769,9 +779,9 @@ def worker_memory(
     if packed:
         weights += footprint.tied_head_parameters * width
     if vision_dtype is not None:
-        weights += footprint.vision_parameters * (DTYPE_BYTES[vision_dtype] - width)
+        weights += footprint.vision_parameters * (COMPUTE_BYTES[vision_dtype] - width)
     if prefill_dtype is not None and prefill_dtype != dtype:
-        weights += footprint.text_linear_parameters * DTYPE_BYTES[prefill_dtype]
+        weights += footprint.text_linear_parameters * COMPUTE_BYTES[prefill_dtype]
     kv_tokens = batch_size * (context_tokens + KV_CHUNK_TOKENS)  # each sequence's buffer may hold a chunk spare
     kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * kv_tokens
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
@@ -831,12 +841,15 @@ def _fit_worker(
             return False
         return min(wanted_workers, available // with_it) >= min(wanted_workers, available // without)
 
-    vision_dtype, vision_why = plan_vision_dtype(cpu, dtype)
+    vision_dtype, vision_why = plan_vision_dtype(cpu, dtype, policy.quantize)
     if vision_dtype != dtype:
         if affordable(vision_dtype=vision_dtype):
             extras["vision_dtype"] = vision_dtype
         else:
-            vision_dtype, vision_why = dtype, "as the language model: a float32 copy would cost the batch or a worker"
+            vision_dtype, vision_why = (
+                dtype,
+                "as the language model: a %s copy would cost the batch or a worker" % (vision_dtype),
+            )
     packed = False
     if dtype != "bfloat16":
         packed_why = "not packed: packing applies to bfloat16 weights only"
@@ -845,16 +858,20 @@ def _fit_worker(
         packed_why = "bfloat16: the language model's weights are packed for oneDNN at load (faster decode)"
     else:
         packed_why = "not packed: the packed output head's extra copy would cost the batch or a worker"
-    prefill_dtype, prefill_why = plan_prefill_dtype(cpu, dtype)
+    prefill_dtype, prefill_why = plan_prefill_dtype(cpu, dtype, policy.quantize)
     if prefill_dtype != dtype:
         if not packed:
-            prefill_dtype, prefill_why = dtype, "as the language model: the float32 prefill copy comes with packing"
+            prefill_dtype, prefill_why = (
+                dtype,
+                "as the language model: the %s prefill copy comes with packing" % (prefill_dtype),
+            )
         elif affordable(prefill_dtype=prefill_dtype):
             extras["prefill_dtype"] = prefill_dtype
         else:
             prefill_dtype, prefill_why = (
                 dtype,
-                ("as the language model: a float32 copy of its linear layers would cost the batch or a worker"),
+                "as the language model: a %s copy of its linear layers would cost the batch or a worker"
+                % prefill_dtype,
             )
     while True:
         need = worker_memory(footprint, dtype, batch, context, **extras)
@@ -1123,14 +1140,32 @@ def native_bfloat16(cpu: dict[str, Any]) -> bool:
     return bool(cpu["isa"].get("avx512_bf16") or cpu["isa"].get("amx_bf16"))
 
 
-def plan_vision_dtype(cpu: dict[str, Any], dtype: str) -> tuple[str, str]:
+def int8_products(cpu: dict[str, Any]) -> bool:
+    """Whether int8 matrix products are fast here (AVX-512 VNNI or AMX): ~4x float32's rate measured."""
+    return bool(cpu["isa"].get("avx512_vnni") or cpu["isa"].get("amx_int8"))
+
+
+def _quantized(cpu: dict[str, Any], quantize: str, work: str, otherwise: tuple[str, str]) -> tuple[str, str]:
+    """("int8", why) when the policy asks for int8 and this CPU has fast int8 products, else `otherwise`."""
+    if quantize != "int8":
+        return otherwise
+    if not int8_products(cpu):
+        return otherwise[0], otherwise[1] + "; quantize=int8 not applied: no AVX-512 VNNI or AMX (int8 would be slower)"
+    return "int8", "quantize=int8: %s through dynamic int8 products (AVX-512 VNNI/AMX; numerics change)" % work
+
+
+def plan_vision_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") -> tuple[str, str]:
     """The vision tower's dtype: it runs once per image on hundreds of patches, so it is compute-bound.
 
     Only AMX makes bfloat16 matrix products faster than float32 ones; with AVX-512 BF16 alone, oneDNN's
     bf16 GEMMs measured 174-190 GFLOP/s against 283 for float32 on a 2-core Sapphire Rapids VM (the
     vision encoder: 3.4 s in bf16, 1.95 s in float32 for a 448x448 image). Decoding is memory-bound
-    and stays in `dtype`.
+    and stays in `dtype`. With the policy's quantize=int8 and VNNI, int8 (vlserve/quantized.py).
     """
+    return _quantized(cpu, quantize, "the vision tower", _vision_dtype(cpu, dtype))
+
+
+def _vision_dtype(cpu: dict[str, Any], dtype: str) -> tuple[str, str]:
     if dtype == "float32":
         return "float32", "as the language model"
     if cpu["isa"].get("amx_bf16"):
@@ -1141,15 +1176,19 @@ def plan_vision_dtype(cpu: dict[str, Any], dtype: str) -> tuple[str, str]:
     )
 
 
-def plan_prefill_dtype(cpu: dict[str, Any], dtype: str) -> tuple[str, str]:
+def plan_prefill_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") -> tuple[str, str]:
     """The dtype of the prompt's pass through the text decoder (prefill), which is compute-bound.
 
     Decoding reads every weight once per token and wants bfloat16's half-size reads; a prompt of a few
     hundred tokens is a matrix product as big as the vision tower's. Without AMX, float32 GEMMs beat
     oneDNN's packed bfloat16 ones from about 48 rows on (0.66-0.72 of the time at 128-256 rows, on a
     2-core Sapphire Rapids VM), so a bfloat16 worker keeps a float32 copy of the decoder's linear
-    layers for prompts of 64 tokens or more.
+    layers for prompts of 64 tokens or more. With the policy's quantize=int8 and VNNI, an int8 copy.
     """
+    return _quantized(cpu, quantize, "prompts", _prefill_dtype(cpu, dtype))
+
+
+def _prefill_dtype(cpu: dict[str, Any], dtype: str) -> tuple[str, str]:
     if dtype == "float32":
         return "float32", "as the language model"
     if cpu["isa"].get("amx_bf16"):
