@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3VLForConditionalGeneration
 
 from conftest import run_tool
-from vlserve.packing import PREFILL_ROWS, PackedLinear, packing_supported
+from vlserve.packing import INT8_PREFILL_ROWS, PackedLinear, packing_supported
 from vlserve.quantized import Int8Linear, Int8Weight, quantize_rows, quantize_vision_tower
 
 
@@ -70,7 +70,7 @@ def test_prompt_sized_products_run_on_the_int8_copy():
     torch.manual_seed(2)
     plain = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
     layer = PackedLinear(plain, prefill_dtype=torch.int8)
-    prompt, step = torch.randn(PREFILL_ROWS, 64).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16)
+    prompt, step = torch.randn(INT8_PREFILL_ROWS, 64).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16)
     layer.make_prefill_copy()
     assert layer.prefill_weight.dtype == torch.int8
     assert torch.equal(layer(prompt), Int8Weight(plain.weight, plain.bias).matmul(prompt).to(torch.bfloat16))

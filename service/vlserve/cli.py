@@ -290,6 +290,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
             cache_pairs=args.cache_pairs,
             startup_runs=args.startup_runs,
             policy=policy,
+            int8_column=args.int8_column,
         )
     )
     _write_json(args.output, result)
@@ -472,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--throughput-requests", type=int, default=8, help="requests at that concurrency (default: 8)")
     compare.add_argument("--cache-pairs", type=int, default=2, help="pairs for the cache figures (default: 2)")
     compare.add_argument("--startup-runs", type=int, default=2, help="starts per configuration (default: 2)")
+    compare.add_argument(
+        "--no-int8-column",
+        dest="int8_column",
+        action="store_false",
+        help="skip the extra column for the plan with quantize=int8 (measured where the CPU has fast int8)",
+    )
     _add_workload_flags(compare, max_tokens=32)
     _add_policy_flags(compare)
     compare.set_defaults(handler=cmd_bench_compare)

@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -52,6 +52,7 @@ class CompareOptions:
     cache_pairs: int = 2
     startup_runs: int = 2
     policy: sizing.Policy | None = None
+    int8_column: bool = True  # also measure the plan with quantize=int8, where the CPU has fast int8 products
     progress: bool = True
 
 
@@ -101,14 +102,14 @@ def _median(values: list[float]) -> float | None:
 
 
 class _Config:
-    """A named way of starting the service: naive (one process) or tuned (the plan's workers)."""
+    """A named way of starting the service: naive (one process), or a plan's workers (tuned, tuned_int8)."""
 
-    def __init__(self, name: str, options: CompareOptions, plan: dict):
+    def __init__(self, name: str, options: CompareOptions, plan: dict | None):
         self.name, self.options, self.plan = name, options, plan
 
     def start(self) -> list[LocalServer]:
         model = self.options.model
-        if self.name == "naive":
+        if self.plan is None:
             return [LocalServer(model, naive_settings(model) | COMMON, name="naive").wait_ready().wait_settled()]
         return start_plan_workers(model, self.plan, extra=COMMON)
 
@@ -204,9 +205,49 @@ def _strip(report: dict) -> dict:
     return {k: v for k, v in report.items() if k != "results"}
 
 
+def _figures(naive: dict, tuned: dict, bound: float) -> dict:
+    """The targets' figures for one tuned configuration against the naive one."""
+    tpot = tuned["latency"]["tpot_s"]["p50"]
+    return {
+        "ttft_ratio": _ratio(tuned["latency"]["ttft_s"]["p50"], naive["latency"]["ttft_s"]["p50"]),
+        "throughput_ratio": _ratio(
+            tuned["throughput"]["request_throughput"], naive["throughput"]["request_throughput"]
+        ),
+        "decode_fraction_of_bound": _ratio(1 / tpot if tpot else None, bound),
+        "vision_cache_ttft_ratio": _ratio(
+            tuned["vision_cache"]["second_question_ttft_s"], tuned["vision_cache"]["first_ttft_s"]
+        ),
+        "ready_s": tuned["ready_s"],
+    }
+
+
+def _targets(figures: dict) -> dict:
+    verdicts = {}
+    for name, (limit, way) in TARGETS.items():
+        value = figures[name]
+        met = value is not None and (value <= limit if way == "max" else value >= limit)
+        verdicts[name] = {"limit": limit, "way": way, "met": met}
+    return verdicts
+
+
+def _plan_summary(plan: dict) -> dict:
+    return {
+        "workers": plan["workers"]["count"],
+        "threads": plan["workers"]["threads"],
+        **{
+            key: plan["model"][key]
+            for key in ("dtype", "max_batch_size", "packed_weights", "vision_dtype", "prefill_dtype")
+        },
+    }
+
+
 def compare(options: CompareOptions) -> dict:
     facts = sizing.probe()
-    plan = sizing.plan(facts, options.policy)
+    policy = options.policy or sizing.Policy()
+    plan = sizing.plan(facts, policy)
+    configs = {"naive": None, "tuned": plan}
+    if options.int8_column and policy.quantize == "none" and sizing.int8_products(facts["cpu"]):
+        configs["tuned_int8"] = sizing.plan(facts, replace(policy, quantize="int8"))
     worker = plan["worker_list"][0]
     _say(options, "plan: %d worker(s), %s" % (plan["workers"]["count"], plan["model"]["dtype"]))
 
@@ -219,28 +260,13 @@ def compare(options: CompareOptions) -> dict:
         os.sched_setaffinity(0, mask)
     warm_page_cache(options.model)
 
-    results = {name: measure_config(_Config(name, options, plan), options) for name in ("naive", "tuned")}
+    results = {name: measure_config(_Config(name, options, p), options) for name, p in configs.items()}
     naive, tuned = results["naive"], results["tuned"]
     bytes_per_token = decode_bytes_per_token(options.model, tuned["server"]["dtype"])
     bound = bandwidth["bytes_per_s"] / bytes_per_token
     tuned_tpot = tuned["latency"]["tpot_s"]["p50"]
-    decode_rate = 1 / tuned_tpot if tuned_tpot else None
-    figures = {
-        "ttft_ratio": _ratio(tuned["latency"]["ttft_s"]["p50"], naive["latency"]["ttft_s"]["p50"]),
-        "throughput_ratio": _ratio(
-            tuned["throughput"]["request_throughput"], naive["throughput"]["request_throughput"]
-        ),
-        "decode_fraction_of_bound": _ratio(decode_rate, bound),
-        "vision_cache_ttft_ratio": _ratio(
-            tuned["vision_cache"]["second_question_ttft_s"], tuned["vision_cache"]["first_ttft_s"]
-        ),
-        "ready_s": tuned["ready_s"],
-    }
-    verdicts = {}
-    for name, (limit, way) in TARGETS.items():
-        value = figures[name]
-        verdicts[name] = value is not None and (value <= limit if way == "max" else value >= limit)
-    return {
+    figures = _figures(naive, tuned, bound)
+    result = {
         "schema": COMPARE_SCHEMA,
         "host": facts.get("hostname"),
         "cpu": facts["cpu"].get("model_name"),
@@ -255,124 +281,95 @@ def compare(options: CompareOptions) -> dict:
             "cache_pairs": options.cache_pairs,
             "startup_runs": options.startup_runs,
         },
-        "plan": {
-            "workers": plan["workers"]["count"],
-            "threads": plan["workers"]["threads"],
-            "dtype": plan["model"]["dtype"],
-            "max_batch_size": plan["model"]["max_batch_size"],
-            "packed_weights": plan["model"]["packed_weights"],
-            "vision_dtype": plan["model"]["vision_dtype"],
-            "prefill_dtype": plan["model"]["prefill_dtype"],
-        },
+        "plan": _plan_summary(plan),
         "bandwidth": bandwidth
         | {
             "decode_bytes_per_token": bytes_per_token,
             "decode_bound_tokens_per_s": bound,
-            "tuned_decode_tokens_per_s": decode_rate,
+            "tuned_decode_tokens_per_s": 1 / tuned_tpot if tuned_tpot else None,
         },
         "naive": naive,
         "tuned": tuned,
         "figures": figures,
-        "targets": {
-            name: {"limit": limit, "way": way, "met": verdicts[name]} for name, (limit, way) in TARGETS.items()
-        },
+        "targets": _targets(figures),
     }
+    if "tuned_int8" in results:
+        # The same plan with the policy's quantize=int8: opt-in, so reported beside the plan, not as it.
+        int8_figures = _figures(naive, results["tuned_int8"], bound)
+        result["tuned_int8"] = results["tuned_int8"] | {
+            "plan": _plan_summary(configs["tuned_int8"]),
+            "figures": int8_figures,
+            "targets": _targets(int8_figures),
+        }
+    return result
 
 
 def render_compare(result: dict) -> str:
-    """A Markdown table: figure, naive, tuned, tuned/naive, target."""
-    naive, tuned, figures, targets = result["naive"], result["tuned"], result["figures"], result["targets"]
+    """A Markdown table: figure, naive, tuned, tuned/naive (and the int8 column's pair), target."""
+    naive, tuned, targets = result["naive"], result["tuned"], result["targets"]
+    int8 = result.get("tuned_int8")
+    columns = [("tuned", "tuned/naive", tuned)] + ([("tuned, int8", "int8/naive", int8)] if int8 else [])
+    clients = result["workload"]["clients"]
 
-    def row(title, a, b, fmt, *, ratio=None, target=""):
+    def row(title, pick, fmt, *, ratio=True, target=""):
         def show(value):
             return "-" if value is None else fmt % value
 
-        if ratio is None:
-            ratio = _ratio(b, a)
-        return "| %s | %s | %s | %s | %s |" % (
-            title,
-            show(a),
-            show(b),
-            "-" if ratio is None else "%.3g" % ratio,
-            target,
-        )
+        cells = [show(pick(naive))]
+        for _, _, config in columns:
+            value = pick(config)
+            relative = _ratio(value, pick(naive)) if ratio else None
+            cells += [show(value), "-" if relative is None else "%.3g" % relative]
+        return "| %s | %s | %s |" % (title, " | ".join(cells), target)
 
     def met(name: str) -> str:
         target = targets[name]
         sign = "<=" if target["way"] == "max" else ">="
-        return "%s %.3g: %s" % (sign, target["limit"], "met" if target["met"] else "NOT met")
+        said = "%s %.3g: %s" % (sign, target["limit"], "met" if target["met"] else "NOT met")
+        if int8:
+            said += " (int8: %s)" % ("met" if int8["targets"][name]["met"] else "NOT met")
+        return said
 
+    def cache_ratio(config):
+        return _ratio(config["vision_cache"]["second_question_ttft_s"], config["vision_cache"]["first_ttft_s"])
+
+    header = ["figure", "naive"] + [part for name, ratio_name, _ in columns for part in (name, ratio_name)]
     bw = result["bandwidth"]
-    decode_rate = bw.get("tuned_decode_tokens_per_s")
     lines = [
-        "| figure | naive | tuned | tuned/naive | target |",
-        "|---|---|---|---|---|",
+        "| %s | target |" % " | ".join(header),
+        "|%s---|" % ("---|" * len(header)),
         row(
             "time to first token, 1 client, p50 (s)",
-            naive["latency"]["ttft_s"]["p50"],
-            tuned["latency"]["ttft_s"]["p50"],
+            lambda c: c["latency"]["ttft_s"]["p50"],
             "%.2f",
             target="ratio " + met("ttft_ratio"),
         ),
+        row("time per output token, 1 client, p50 (ms)", lambda c: _ms(c["latency"]["tpot_s"]["p50"]), "%.0f"),
+        row("end-to-end, 1 client, p50 (s)", lambda c: c["latency"]["e2e_s"]["p50"], "%.2f"),
         row(
-            "time per output token, 1 client, p50 (ms)",
-            _ms(naive["latency"]["tpot_s"]["p50"]),
-            _ms(tuned["latency"]["tpot_s"]["p50"]),
-            "%.0f",
-        ),
-        row(
-            "end-to-end, 1 client, p50 (s)",
-            naive["latency"]["e2e_s"]["p50"],
-            tuned["latency"]["e2e_s"]["p50"],
-            "%.2f",
-        ),
-        row(
-            "throughput, %d clients (requests/min)" % result["workload"]["clients"],
-            naive["throughput"]["request_throughput"] * 60,
-            tuned["throughput"]["request_throughput"] * 60,
+            "throughput, %d clients (requests/min)" % clients,
+            lambda c: c["throughput"]["request_throughput"] * 60,
             "%.2f",
             target="ratio " + met("throughput_ratio"),
         ),
-        row(
-            "output tokens/s, %d clients" % result["workload"]["clients"],
-            naive["throughput"]["output_throughput"],
-            tuned["throughput"]["output_throughput"],
-            "%.2f",
-        ),
-        row(
-            "time to first token, %d clients, p50 (s)" % result["workload"]["clients"],
-            naive["throughput"]["ttft_s"]["p50"],
-            tuned["throughput"]["ttft_s"]["p50"],
-            "%.2f",
-        ),
+        row("output tokens/s, %d clients" % clients, lambda c: c["throughput"]["output_throughput"], "%.2f"),
+        row("time to first token, %d clients, p50 (s)" % clients, lambda c: c["throughput"]["ttft_s"]["p50"], "%.2f"),
         row(
             "second question about the same image: TTFT / first TTFT",
-            _ratio(naive["vision_cache"]["second_question_ttft_s"], naive["vision_cache"]["first_ttft_s"]),
-            figures["vision_cache_ttft_ratio"],
+            cache_ratio,
             "%.2f",
-            ratio=float("nan"),
+            ratio=False,
             target="tuned " + met("vision_cache_ttft_ratio"),
         ),
-        row(
-            "same request again: end-to-end (s)",
-            naive["result_cache"]["repeat_e2e_s"],
-            tuned["result_cache"]["repeat_e2e_s"],
-            "%.3f",
-        ),
+        row("same request again: end-to-end (s)", lambda c: c["result_cache"]["repeat_e2e_s"], "%.3f"),
         row(
             "ready after process start, warm page cache (s)",
-            naive["ready_s"],
-            tuned["ready_s"],
+            lambda c: c["ready_s"],
             "%.1f",
             target="tuned " + met("ready_s"),
         ),
-        row(
-            "background work done (prefill copies), after process start (s)",
-            naive["settled_s"],
-            tuned["settled_s"],
-            "%.1f",
-        ),
-        row("peak resident memory (GB)", naive["peak_rss_bytes"] / 1e9, tuned["peak_rss_bytes"] / 1e9, "%.2f"),
+        row("background work done (prefill copies), after process start (s)", lambda c: c["settled_s"], "%.1f"),
+        row("peak resident memory (GB)", lambda c: c["peak_rss_bytes"] / 1e9, "%.2f"),
         "",
         "Memory read bandwidth: %.1f GB/s (%d threads, %.1f GiB buffer, last-level cache %.0f MiB); a decode step "
         "reads %.2f GB of %s weights, so one stream decodes at most %.2f tokens/s. Tuned single stream: %.2f tokens/s "
@@ -385,12 +382,18 @@ def render_compare(result: dict) -> str:
             bw["decode_bytes_per_token"] / 1e9,
             tuned["server"]["dtype"],
             bw["decode_bound_tokens_per_s"],
-            decode_rate or 0.0,
-            100 * (figures["decode_fraction_of_bound"] or 0.0),
+            bw.get("tuned_decode_tokens_per_s") or 0.0,
+            100 * (result["figures"]["decode_fraction_of_bound"] or 0.0),
             met("decode_fraction_of_bound"),
         ),
     ]
-    return "\n".join(lines).replace("| nan |", "| - |")
+    if int8:
+        lines.append(
+            "tuned, int8: the plan with the policy's quantize=int8 (opt-in: the vision tower and prompts "
+            "through dynamic int8 products, vision %s, prompts %s; decoding as tuned)."
+            % (int8["plan"]["vision_dtype"], int8["plan"]["prefill_dtype"])
+        )
+    return "\n".join(lines)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
