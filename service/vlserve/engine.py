@@ -470,7 +470,8 @@ class Engine:
         if self._copies_started is None:
             self._copies_started = time.monotonic()
         try:
-            self._prefill_copies.pop().make_prefill_copy()
+            self._prefill_copies[-1].make_prefill_copy()
+            self._prefill_copies.pop()  # only now: the pending count must not reach 0 before the last copy exists
         except RuntimeError as error:  # out of memory, most likely: prompts stay on the packed weights
             log.error("giving up the %s prefill copies: %s", self.prefill_dtype, error)
             for layer in self._prefill_copies:
