@@ -13,7 +13,7 @@ from PIL import Image
 from conftest import run_tool
 from vlserve.engine import ContextLengthExceeded, Engine, ImageInput, RequestTimeout
 from vlserve.packing import PREFILL_ROWS, PackedLinear, packing_supported
-from vlserve.quantized import Int8Linear
+from vlserve.quantized import INT8_PREFILL_ROWS, Int8Linear, Int8Weight
 from vlserve.sampling import SamplingParams
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -280,26 +280,31 @@ def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path):
         engine.shutdown()
 
 
-@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
-def test_an_int8_engine_answers(tmp_path):
-    tiny_bf16 = tmp_path / "tiny-bf16"
-    assert run_tool("vlserve", "make-test-model", str(tiny_bf16)).returncode == 0
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_int8_engine_answers(tmp_path, dtype):
+    if dtype == "bfloat16" and not packing_supported(torch.bfloat16):
+        pytest.skip("this CPU has no oneDNN bf16 kernels")
+    directory = tmp_path / "tiny"
+    assert run_tool("vlserve", "make-test-model", str(directory), "--dtype", dtype).returncode == 0
     engine = Engine(
-        ModelSettings(model=tiny_bf16, dtype="bfloat16", vision_dtype="int8", prefill_dtype="int8"),
+        ModelSettings(model=directory, dtype=dtype, vision_dtype="int8", prefill_dtype="int8"),
         LimitSettings(max_batch_size=2, max_context_tokens=1024, request_timeout_s=30),
     )
     engine.load()
     try:
         engine.warmup()
         engine.mark_ready()
-        assert (engine.vision_dtype, engine.prefill_dtype) == ("int8", "int8")
+        assert (engine.vision_dtype, engine.prefill_dtype, engine.packed) == ("int8", "int8", dtype == "bfloat16")
         assert any(isinstance(m, Int8Linear) for m in engine.model.model.visual.modules())
+        layers = 7 * engine.model.config.text_config.num_hidden_layers
         deadline = time.monotonic() + 60
         while engine.prefill_copies_pending:
             assert time.monotonic() < deadline, "prefill copies never made"
             time.sleep(0.05)
+        copies = [m for m in engine.model.modules() if isinstance(getattr(m, "prefill_weight", None), Int8Weight)]
+        assert len(copies) == layers
         sequence, sink = run(engine, CONVERSATIONS[0], tokens=6, ignore_eos=True)
-        assert sequence.prompt.tokens >= PREFILL_ROWS and sequence.prompt.image_grid_thw is not None
+        assert sequence.prompt.tokens >= INT8_PREFILL_ROWS and sequence.prompt.image_grid_thw is not None
         assert sink.error is None and len(sequence.generated) == 6
     finally:
         engine.shutdown()

@@ -7,8 +7,15 @@ import torch
 from transformers import Qwen3VLForConditionalGeneration
 
 from conftest import run_tool
-from vlserve.packing import INT8_PREFILL_ROWS, PackedLinear, packing_supported
-from vlserve.quantized import Int8Linear, Int8Weight, quantize_rows, quantize_vision_tower
+from vlserve.packing import PackedLinear, packing_supported
+from vlserve.quantized import (
+    INT8_PREFILL_ROWS,
+    Int8Linear,
+    Int8Weight,
+    PromptInt8Linear,
+    quantize_rows,
+    quantize_vision_tower,
+)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,3 +84,15 @@ def test_prompt_sized_products_run_on_the_int8_copy():
     assert torch.equal(
         layer(step), torch.ops.mkldnn._linear_pointwise(step, layer.packed_weight, layer.bias, "none", [], "")
     )
+
+
+def test_a_float32_layer_runs_prompts_on_its_int8_copy_once_made():
+    torch.manual_seed(3)
+    plain = torch.nn.Linear(64, 48)
+    layer = PromptInt8Linear(plain)
+    prompt, step = torch.randn(INT8_PREFILL_ROWS, 64), torch.randn(INT8_PREFILL_ROWS - 1, 64)
+    assert layer.prefill_copy_pending and torch.equal(layer(prompt), plain(prompt))
+    layer.make_prefill_copy()
+    assert not layer.prefill_copy_pending
+    assert torch.equal(layer(prompt), Int8Weight(plain.weight, plain.bias).matmul(prompt))
+    assert torch.equal(layer(step), plain(step))

@@ -200,6 +200,10 @@ def test_quantize_int8_is_opt_in_and_needs_vnni():
     footprint = sizing.FOOTPRINTS["qwen3-vl-2b-instruct"]
     saved = default["memory"]["per_worker"]["weights_bytes"] - quantized["memory"]["per_worker"]["weights_bytes"]
     assert saved == footprint.text_linear_parameters * 3 + footprint.vision_parameters * 3
+    # VNNI without BF16 (Cascade Lake): float32 weights, int8 images and prompts, no packing needed.
+    cascade = sizing.plan(load_topology("xeon-gold-6248r-2s"), sizing.Policy(quantize="int8"))["model"]
+    assert (cascade["dtype"], cascade["packed_weights"]) == ("float32", False)
+    assert (cascade["vision_dtype"], cascade["prefill_dtype"]) == ("int8", "int8")
     # Without VNNI (AVX2 only) the policy is reported and not applied: int8 would be slower there.
     old = sizing.plan(load_topology("xeon-e5-2680v4"), sizing.Policy(quantize="int8"))
     assert old["model"]["vision_dtype"] == old["model"]["prefill_dtype"] == "float32"

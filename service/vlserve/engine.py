@@ -33,6 +33,7 @@ from vlserve.caches import LRUCache
 from vlserve.kvcache import new_cache
 from vlserve.metrics import Metrics, anonymous_memory
 from vlserve.packing import convert_vision_tower, pack_language_model, packing_supported, pending_prefill_copies
+from vlserve.quantized import add_int8_prompt_copies
 from vlserve.sampling import SamplingParams, next_tokens
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -186,7 +187,7 @@ class Engine:
         self.packed = False
         self.result_cache = LRUCache(limits.result_cache_entries)
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=_feature_bytes)
-        self._prefill_copies: list = []  # PackedLinear layers still waiting for their prefill copy
+        self._prefill_copies: list = []  # layers still waiting for their prompt copy (packing.py, quantized.py)
         self._copies_started: float | None = None
         self._queue: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
@@ -244,8 +245,12 @@ class Engine:
             self._prefill_copies = pending_prefill_copies(model)
             log.info("packed %d linear layers for oneDNN (prompts in %s)", packed, self.prefill_dtype)
         else:
-            self.prefill_dtype = self.dtype  # the prefill copy lives in the packed layers
             convert_vision_tower(model, getattr(torch, self.vision_dtype))
+            if self.prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
+                add_int8_prompt_copies(model.model.language_model)
+                self._prefill_copies = pending_prefill_copies(model)
+            else:
+                self.prefill_dtype = self.dtype  # a float32 or bf16 prefill copy lives in the packed layers
         self.processor, self.model = processor, model
         tokenizer = processor.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

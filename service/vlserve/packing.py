@@ -29,10 +29,9 @@ import gc
 
 import torch
 
-from vlserve.quantized import Int8Weight, quantize_vision_tower
+from vlserve.quantized import INT8_PREFILL_ROWS, Int8Weight, quantize_vision_tower
 
 PREFILL_ROWS = 64  # from here on a float32 product beats the packed bf16 one (crossover ~48 rows measured)
-INT8_PREFILL_ROWS = 16  # an int8 one from ~8 rows (2048x6144: 1.4 vs 2.4 ms at 16 rows, 0.75 vs 1.1 at 4)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -133,8 +132,9 @@ def convert_vision_tower(model: torch.nn.Module, vision_dtype: torch.dtype | Non
         model.model.visual.to(vision_dtype)
 
 
-def pending_prefill_copies(model: torch.nn.Module) -> list[PackedLinear]:
-    return [m for m in model.modules() if isinstance(m, PackedLinear) and m.prefill_copy_pending]
+def pending_prefill_copies(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Layers still waiting for their prompt copy: PackedLinear, or quantized.PromptInt8Linear."""
+    return [m for m in model.modules() if getattr(m, "prefill_copy_pending", False)]
 
 
 def _release_checkpoint_map(model: torch.nn.Module) -> None:

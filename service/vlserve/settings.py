@@ -43,8 +43,9 @@ class ModelSettings(BaseSettings):
     prefill_dtype: Literal["auto", "bfloat16", "float32", "int8"] = Field(
         "auto",
         description="dtype of prompt-sized products in a packed bfloat16 model; auto: float32 unless the CPU "
-        "has AMX (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8: an "
-        "int8 copy (1.4 GB) and dynamic int8 products (about twice as fast, changes the numerics)",
+        "has AMX (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8, in "
+        "float32 models too: an int8 copy (1.4 GB) and dynamic int8 products (about twice as fast, changes "
+        "the numerics; never chosen by auto)",
     )
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch threads (default: one per physical core this process may use)"

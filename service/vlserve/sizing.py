@@ -860,7 +860,7 @@ def _fit_worker(
         packed_why = "not packed: the packed output head's extra copy would cost the batch or a worker"
     prefill_dtype, prefill_why = plan_prefill_dtype(cpu, dtype, policy.quantize)
     if prefill_dtype != dtype:
-        if not packed:
+        if not packed and prefill_dtype != "int8":  # an int8 copy also serves unpacked (float32) models
             prefill_dtype, prefill_why = (
                 dtype,
                 "as the language model: the %s prefill copy comes with packing" % (prefill_dtype),
