@@ -273,6 +273,12 @@ def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path):
             time.sleep(0.05)
         copies = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m.prefill_weight is not None]
         assert len(copies) == layers and all(m.prefill_weight.dtype == torch.float32 for m in copies)
+        # Then the rest is copied out of the checkpoint, and its memory map closes.
+        while engine.background_steps_pending:
+            assert time.monotonic() < deadline, "checkpoint copies never made"
+            time.sleep(0.05)
+        with open("/proc/self/maps") as maps:
+            assert str(directory) not in maps.read()
         sequence, sink = run(engine, CONVERSATIONS[0], tokens=6, ignore_eos=True)
         assert sequence.prompt.tokens >= PREFILL_ROWS  # this prompt's prefill ran on the copies
         assert sink.error is None and len(sequence.generated) == 6

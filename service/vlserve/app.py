@@ -320,6 +320,7 @@ def create_app(
                 "vision_dtype": engine.vision_dtype,
                 "prefill_dtype": engine.prefill_dtype,
                 "prefill_copies_pending": engine.prefill_copies_pending,
+                "background_steps_pending": engine.background_steps_pending,
                 "threads": engine.threads,
                 "packed_weights": engine.packed,
             }

@@ -13,6 +13,7 @@ to 8 sequences in bfloat16, so batching multiplies throughput.
 from __future__ import annotations
 
 import collections
+import gc
 import hashlib
 import json
 import logging
@@ -32,7 +33,13 @@ from vlserve.batch import BatchState
 from vlserve.caches import LRUCache
 from vlserve.kvcache import new_cache
 from vlserve.metrics import Metrics, anonymous_memory
-from vlserve.packing import convert_vision_tower, pack_language_model, packing_supported, pending_prefill_copies
+from vlserve.packing import (
+    checkpoint_copy_steps,
+    convert_vision_tower,
+    pack_language_model,
+    packing_supported,
+    pending_prefill_copies,
+)
 from vlserve.quantized import add_int8_prompt_copies
 from vlserve.sampling import SamplingParams, next_tokens
 from vlserve.settings import LimitSettings, ModelSettings
@@ -188,6 +195,7 @@ class Engine:
         self.result_cache = LRUCache(limits.result_cache_entries)
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=_feature_bytes)
         self._prefill_copies: list = []  # layers still waiting for their prompt copy (packing.py, quantized.py)
+        self._map_copies: list[Callable[[], None]] = []  # then the tensors still in the checkpoint's memory map
         self._copies_started: float | None = None
         self._queue: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
@@ -243,6 +251,7 @@ class Engine:
             )
             self.packed = True
             self._prefill_copies = pending_prefill_copies(model)
+            self._map_copies = checkpoint_copy_steps(model)
             log.info("packed %d linear layers for oneDNN (prompts in %s)", packed, self.prefill_dtype)
         else:
             convert_vision_tower(model, getattr(torch, self.vision_dtype))
@@ -444,15 +453,21 @@ class Engine:
     def prefill_copies_pending(self) -> int:
         return len(self._prefill_copies)
 
+    @property
+    def background_steps_pending(self) -> int:
+        """Work a ready worker still does between requests: prefill copies, then copies out of the map."""
+        return len(self._prefill_copies) + len(self._map_copies)
+
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while not self._stopping:
-                if self._prefill_copies and self.state == "ready":
-                    self._make_prefill_copy()
+                background = self.state == "ready" and self.background_steps_pending > 0
+                if background:
+                    self._background_step()
                 with self._wakeup:
                     if not self._queue and not self._running:
-                        if not (self._prefill_copies and self.state == "ready"):
+                        if not background:
                             self._wakeup.wait(timeout=0.5)
                         continue
                     admitted = self._admit()
@@ -470,8 +485,24 @@ class Engine:
                 self.metrics.queue_depth.set(len(self._queue))
                 self.metrics.batch_size.set(len(self._running))
 
+    def _background_step(self) -> None:
+        """One step of the after-ready work per scheduler pass, so requests never wait long for it."""
+        if self._prefill_copies:
+            self._make_prefill_copy()
+            return
+        try:
+            self._map_copies[-1]()
+            self._map_copies.pop()
+        except RuntimeError as error:  # out of memory: the rest stays mapped, which is slower to free, not wrong
+            log.error("leaving the checkpoint mapped: %s", error)
+            self._map_copies = []
+            return
+        if not self._map_copies:
+            gc.collect()
+            log.info("the checkpoint's memory map is released")
+
     def _make_prefill_copy(self) -> None:
-        """One layer's prefill copy per scheduler pass (10-30 ms each), so requests never wait long for them."""
+        """One layer's prefill copy (10-30 ms each)."""
         if self._copies_started is None:
             self._copies_started = time.monotonic()
         try:

@@ -368,7 +368,11 @@ def render_compare(result: dict) -> str:
             "%.1f",
             target="tuned " + met("ready_s"),
         ),
-        row("background work done (prefill copies), after process start (s)", lambda c: c["settled_s"], "%.1f"),
+        row(
+            "background work done (prefill and checkpoint copies), after process start (s)",
+            lambda c: c["settled_s"],
+            "%.1f",
+        ),
         row("peak resident memory (GB)", lambda c: c["peak_rss_bytes"] / 1e9, "%.2f"),
         "",
         "Memory read bandwidth: %.1f GB/s (%d threads, %.1f GiB buffer, last-level cache %.0f MiB); a decode step "

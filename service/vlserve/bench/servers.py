@@ -83,11 +83,11 @@ class LocalServer:
         raise ServerFailed("%s not ready after %.0f s:\n%s" % (self.name, timeout_s, self.output(40)))
 
     def wait_settled(self, timeout_s: float = 900) -> LocalServer:
-        """Wait for the work a ready worker still does in the background (its float32 prefill copies)."""
+        """Wait for the work a ready worker still does in the background (prefill copies, checkpoint copies)."""
         deadline = time.perf_counter() + timeout_s
-        while self.info().get("prefill_copies_pending"):
+        while self.info().get("background_steps_pending"):
             if time.perf_counter() > deadline:
-                raise ServerFailed("%s still making prefill copies after %.0f s" % (self.name, timeout_s))
+                raise ServerFailed("%s still busy with its background steps after %.0f s" % (self.name, timeout_s))
             time.sleep(0.1)
         self.settled_after_s = time.perf_counter() - self.started
         return self
