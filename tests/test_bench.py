@@ -209,4 +209,4 @@ def test_autotune_ranks_the_plan_and_writes_host_vars_the_role_accepts(tiny_mode
     options = specs["argument_specs"]["main"]["options"]
     assert variables and set(variables) <= set(options)
     policy = sizing.Policy.from_mapping({k.removeprefix("vlserve_facts_"): v for k, v in variables.items()})
-    assert policy.dtype == "float32" and policy.max_batch_size in (1, 2)
+    assert policy.dtype == "float32" and policy.max_batch_size in (1, 2) and policy.quantize == "none"

@@ -200,6 +200,7 @@ def host_override(result: dict) -> str:
         "# (%s, %.2f requests/min on the workload %s)."
         % (result["best"]["config"], result["best"]["request_throughput"] * 60, result["workload"]),
     ]
-    for name in ("objective", "dtype", "min_threads_per_worker", "max_workers", "max_batch_size"):
+    # quantize too: the sweep keeps the operator's numerics (quantize=int8 only where they asked for it)
+    for name in ("objective", "dtype", "quantize", "min_threads_per_worker", "max_workers", "max_batch_size"):
         lines.append("vlserve_facts_%s: %s" % (name, policy[name]))
     return "\n".join(lines) + "\n"
