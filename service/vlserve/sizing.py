@@ -617,8 +617,8 @@ class Policy:
     quantize: str = field(
         default="none",
         metadata={
-            "help": "none, or int8: the vision tower and prompts through dynamic int8 products (AVX-512 VNNI or "
-            "AMX; time to first token about halved, the model's numerics change); decoding stays in dtype"
+            "help": "none, or int8: images and prompts through dynamic int8 products (AVX-512 VNNI or AMX; "
+            "faster first token, changed numerics)"
         },
     )
     min_threads_per_worker: int = field(
