@@ -314,3 +314,43 @@ def test_an_int8_engine_answers(tmp_path, dtype):
         assert sink.error is None and len(sequence.generated) == 6
     finally:
         engine.shutdown()
+
+
+ONE_OPENMP_POOL = """
+import os, sys, threading, time
+import torch
+from PIL import Image
+from vlserve.engine import Engine, ImageInput
+from vlserve.sampling import SamplingParams
+from vlserve.settings import LimitSettings, ModelSettings
+
+engine = Engine(ModelSettings(model=sys.argv[1], threads=2), LimitSettings(request_timeout_s=30))
+engine.load()
+engine.warmup()
+engine.mark_ready()
+while engine.background_steps_pending:
+    time.sleep(0.05)
+picture = Image.effect_mandelbrot((300, 200), (-2, -1, 1, 1), 50).convert("RGB")
+prompt = engine.prepare(
+    [{"role": "user", "content": [{"type": "image", "image": ImageInput(picture, "m")}, {"type": "text", "text": "?"}]}]
+)
+done = threading.Event()
+sink = type("Sink", (), {"on_text": lambda s, t: None, "on_finish": lambda s, r, u: done.set(),
+                         "on_error": lambda s, e: done.set()})()
+engine.submit(prompt, SamplingParams(max_tokens=3), sink)
+assert done.wait(60)
+settled = len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)
+torch.ones(4096, 4096).sum()  # a parallel region on this thread: a new pool shows as a new OS thread
+print(len(os.listdir("/proc/self/task")) - settled)
+engine.shutdown()
+"""
+
+
+def test_only_the_scheduler_thread_runs_parallel_torch_work(tiny_model):
+    """The thread that loads the engine and prepares requests has no OpenMP pool of its own: with a
+    second pool alive libgomp stops spinning between parallel regions, which slowed decoding by a
+    fifth (engine.py's docstring). Checked from outside, by the OS thread a first parallel region adds."""
+    result = run_tool("python", "-c", ONE_OPENMP_POOL, str(tiny_model), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "1"

@@ -8,6 +8,13 @@ Scheduling is continuous batching: waiting requests are prefilled as a group and
 running batch between decode steps; a request that finishes, is cancelled or runs out of time
 leaves it at once (see batch.py). On a memory-bound CPU a decode step costs about the same for 1
 to 8 sequences in bfloat16, so batching multiplies throughput.
+
+Every multi-threaded torch call runs on the scheduler thread, loading included; other threads
+(`prepare`) run torch on one thread. libgomp gives each thread that starts a parallel region its
+own pool of workers, and once a process holds more of them than it has CPUs, every worker stops
+spinning between regions and sleeps in the kernel instead: a decode step is some 1,500 regions,
+and it took 232-239 ms with a second pool alive against 177-190 ms without (real-size model, this
+project's 2-core VM).
 """
 
 from __future__ import annotations
@@ -210,14 +217,36 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------------
 
     def load(self, status: Callable[[str], None] = lambda message: None) -> None:
-        """Load the processor and the model from the local directory, then start the scheduler."""
+        """Load the processor and the model from the local directory on the scheduler thread, which then
+        starts scheduling; returns once loaded, raising what loading raised."""
+        self.state = "loading"
+        check_model_directory(Path(self.model_settings.model))
+        loaded = threading.Event()
+        failure: list[BaseException] = []
+
+        def load_then_run() -> None:
+            try:
+                self._load_model(status)
+            except BaseException as error:  # handed to the caller, which reports it
+                failure.append(error)
+                return
+            finally:
+                loaded.set()
+            self._run()
+
+        self._thread = threading.Thread(target=load_then_run, name="vlserve-scheduler", daemon=True)
+        self._thread.start()
+        loaded.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+
+    def _load_model(self, status: Callable[[str], None]) -> None:
         from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415 - slow import, loaded once
 
         from vlserve.processor import load_processor  # noqa: PLC0415
 
-        self.state = "loading"
         path = Path(self.model_settings.model)
-        check_model_directory(path)
         facts = sizing.probe(use_libraries=False)
         self.threads = self.model_settings.threads or sizing.default_threads(facts)
         torch.set_num_threads(self.threads)
@@ -274,8 +303,6 @@ class Engine:
             self.vision_dtype,
             self.threads,
         )
-        self._thread = threading.Thread(target=self._run, name="vlserve-scheduler", daemon=True)
-        self._thread.start()
 
     def warmup(self, status: Callable[[str], None] = lambda message: None) -> None:
         """One short request through every stage (vision encoder, prefill, decode), caches bypassed."""
@@ -335,6 +362,8 @@ class Engine:
         """
         if self.processor is None:
             raise NotReady("the model is still loading")
+        if threading.current_thread() is not self._thread:
+            torch.set_num_threads(1)  # no second OpenMP pool (see the module's docstring)
         template_messages, images = [], []
         for message in messages:
             content = message["content"]
@@ -459,7 +488,6 @@ class Engine:
         return len(self._prefill_copies) + len(self._map_copies)
 
     def _run(self) -> None:
-        torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while not self._stopping:
                 background = self.state == "ready" and self.background_steps_pending > 0
