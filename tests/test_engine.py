@@ -12,7 +12,7 @@ from PIL import Image
 
 from conftest import run_tool
 from vlserve.engine import ContextLengthExceeded, Engine, ImageInput, RequestTimeout
-from vlserve.packing import PREFILL_ROWS, PackedLinear, packing_supported
+from vlserve.packing import PREFILL_ROWS, PackedGroup, PackedLinear, packing_supported
 from vlserve.quantized import INT8_PREFILL_ROWS, Int8Linear, Int8Weight
 from vlserve.sampling import SamplingParams
 from vlserve.settings import LimitSettings, ModelSettings
@@ -221,6 +221,9 @@ def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path):
         assert (
             len(layers) == 7 * engines[True].model.config.text_config.num_hidden_layers + 1
         )  # q k v o gate up down, head
+        fused = [m for m in layers if m.group is not None]  # q k v and gate up: one product each
+        assert len(fused) == 5 * engines[True].model.config.text_config.num_hidden_layers
+        assert all(m.packed_weight is None for m in fused)
         assert not any(isinstance(m, PackedLinear) for m in engines[False].model.modules())
         for conversation in CONVERSATIONS:
             plain, _ = run(engines[False], conversation, tokens=12, ignore_eos=True)
@@ -233,6 +236,26 @@ def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path):
     finally:
         for engine in engines.values():
             engine.shutdown()
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
+def test_a_packed_group_gives_each_member_its_own_product():
+    torch.manual_seed(1)
+    plain = [torch.nn.Linear(64, n, bias=n != 16).to(torch.bfloat16) for n in (48, 16, 32)]
+    group = PackedGroup(plain)
+    members = [PackedLinear(linear, group=group, index=i) for i, linear in enumerate(plain)]
+    alone = [PackedLinear(linear) for linear in plain]
+    for rows in (1, 3, PREFILL_ROWS + 1):
+        x = torch.randn(2, rows, 64).to(torch.bfloat16)
+        for order in ((0, 1, 2), (2, 0, 1)):  # whichever member comes first computes the group's product
+            outputs = {i: members[i](x) for i in order}
+            for i in order:
+                assert outputs[i].shape == (2, rows, plain[i].out_features)
+                assert torch.equal(outputs[i], alone[i](x))  # bit for bit
+            assert group._input is None and not group._outputs  # all served: nothing held
+    first, second = torch.randn(1, 64).to(torch.bfloat16), torch.randn(1, 64).to(torch.bfloat16)
+    members[0](first)
+    assert torch.equal(members[1](second), alone[1](second))  # a new input is a new product
 
 
 @pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
