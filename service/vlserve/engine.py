@@ -222,12 +222,12 @@ class Engine:
         self.state = "loading"
         check_model_directory(Path(self.model_settings.model))
         loaded = threading.Event()
-        failure: list[BaseException] = []
+        failure: list[Exception] = []
 
         def load_then_run() -> None:
             try:
                 self._load_model(status)
-            except BaseException as error:  # handed to the caller, which reports it
+            except Exception as error:  # noqa: BLE001 - re-raised in the caller's thread, which reports it
                 failure.append(error)
                 return
             finally:
@@ -237,9 +237,9 @@ class Engine:
         self._thread = threading.Thread(target=load_then_run, name="vlserve-scheduler", daemon=True)
         self._thread.start()
         loaded.wait()
-        if failure:
+        if failure or self.model is None:
             self._thread.join()
-            raise failure[0]
+            raise failure[0] if failure else EngineFailure("the scheduler thread stopped while loading the model")
 
     def _load_model(self, status: Callable[[str], None]) -> None:
         from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415 - slow import, loaded once
