@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from topology_builder import build_facts
 from vlserve import sizing
+from vlserve.sizing import cores, fitting
 
 ISA_SETS = [
     (),
@@ -134,12 +135,12 @@ def test_memory_for_speed_trades_never_cost_a_worker(facts, policy):
         return
     model = result["model"]
     policy = sizing.Policy(**result["policy"])
-    budget = sizing._plan_memory_budget(facts["memory"], facts["limits"], policy)
+    budget = fitting.plan_memory_budget(facts["memory"], facts["limits"], policy)
     bare = sizing.worker_memory(
         sizing.FOOTPRINTS[policy.model], model["dtype"], model["max_batch_size"], model["max_context_tokens"]
     )
-    by_node = sizing._plan_cores(facts["cpu"], facts["limits"], policy)["by_node"]
-    without = sizing._plan_workers(by_node, policy, budget["available_bytes"] // bare["high_bytes"])
+    by_node = cores.plan_cores(facts["cpu"], facts["limits"], policy)["by_node"]
+    without = cores.place_workers(by_node, policy, budget["available_bytes"] // bare["high_bytes"])
     assert result["workers"]["count"] == len(without)
     if model["prefill_dtype"] != model["dtype"]:
         assert model["packed_weights"]
@@ -163,7 +164,7 @@ def test_infeasible_only_when_one_minimal_worker_does_not_fit(facts, policy):
         text = str(error)
         assert "add memory" in text or "no usable core" in text
         if "add memory" in text:
-            budget = sizing._plan_memory_budget(facts["memory"], facts["limits"], policy)
+            budget = fitting.plan_memory_budget(facts["memory"], facts["limits"], policy)
             smallest = sizing.worker_memory(
                 sizing.FOOTPRINTS[policy.model],
                 "bfloat16",

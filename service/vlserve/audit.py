@@ -1,7 +1,7 @@
 """The host audit: for every tuning knob of the plan, where the host stands (ok, drift, n/a).
 
 `probe_tuning(root)` reads what the tuning roles write (and what the kernel runs with);
-`audit(facts, plan, tuning)` compares it with the plan, a pure function. Like sizing.py, this
+`audit(facts, plan, tuning)` compares it with the plan, a pure function. Like the sizing package, this
 file is shipped to targets as Ansible module_utils: standard library only, one file.
 """
 

@@ -1,1 +1,0 @@
-../../../service/vlserve/sizing.py

@@ -1,0 +1,91 @@
+"""Dtypes: the language model's, and those of the two compute-bound phases (vision tower, prompts).
+
+Decoding reads every weight once per token, so it wants the narrowest native dtype; the vision tower
+and a prompt's prefill are large matrix products, which want the fastest products on this CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import gib
+from .footprints import ModelFootprint, worker_memory
+from .policy import Policy
+
+
+def native_bfloat16(cpu: dict[str, Any]) -> bool:
+    """Whether the CPU computes bfloat16 natively (AVX-512 BF16 or AMX), so bf16 is the faster dtype."""
+    return bool(cpu["isa"].get("avx512_bf16") or cpu["isa"].get("amx_bf16"))
+
+
+def int8_products(cpu: dict[str, Any]) -> bool:
+    """Whether int8 matrix products are fast here (AVX-512 VNNI or AMX): ~4x float32's rate measured."""
+    return bool(cpu["isa"].get("avx512_vnni") or cpu["isa"].get("amx_int8"))
+
+
+def plan_dtype(cpu: dict[str, Any], footprint: ModelFootprint, policy: Policy, available: int) -> tuple[str, str]:
+    """The language model's dtype: bfloat16 where the CPU computes it natively, else float32 if it fits."""
+    if policy.dtype != "auto":
+        return policy.dtype, "set by policy"
+    if native_bfloat16(cpu):
+        which = "AMX" if cpu["isa"].get("amx_bf16") else "AVX-512 BF16"
+        return "bfloat16", "the CPU has %s: half the memory traffic per token" % which
+    as_float32 = worker_memory(footprint, "float32", policy.max_batch_size, policy.max_context_tokens)
+    if as_float32["high_bytes"] <= available:
+        return "float32", "no AVX-512 BF16 or AMX: bfloat16 would be emulated"
+    return "bfloat16", (
+        "no native bfloat16, but a float32 worker needs %s and %s is available: "
+        "bfloat16 fits, at emulated speed" % (gib(as_float32["high_bytes"]), gib(available))
+    )
+
+
+def plan_vision_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") -> tuple[str, str]:
+    """The vision tower's dtype: it runs once per image on hundreds of patches, so it is compute-bound.
+
+    Only AMX makes bfloat16 matrix products faster than float32 ones; with AVX-512 BF16 alone, oneDNN's
+    bf16 GEMMs measured 174-190 GFLOP/s against 283 for float32 on a 2-core Sapphire Rapids VM (the
+    vision encoder: 3.4 s in bf16, 1.95 s in float32 for a 448x448 image). Decoding is memory-bound
+    and stays in `dtype`. With the policy's quantize=int8 and VNNI, int8 (vlserve/quantized.py).
+    """
+    return _compute_dtype(
+        cpu,
+        dtype,
+        quantize,
+        work="the vision tower",
+        float32_why="no AMX: float32 matrix products outrun bfloat16 ones, and the encoder is compute-bound "
+        "(its float32 copy costs 0.8 GB)",
+    )
+
+
+def plan_prefill_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") -> tuple[str, str]:
+    """The dtype of the prompt's pass through the text decoder (prefill), which is compute-bound.
+
+    Decoding reads every weight once per token and wants bfloat16's half-size reads; a prompt of a few
+    hundred tokens is a matrix product as big as the vision tower's. Without AMX, float32 GEMMs beat
+    oneDNN's packed bfloat16 ones from about 48 rows on (0.66-0.72 of the time at 128-256 rows, on a
+    2-core Sapphire Rapids VM), so a bfloat16 worker keeps a float32 copy of the decoder's linear
+    layers for prompts of 64 tokens or more. With the policy's quantize=int8 and VNNI, an int8 copy.
+    """
+    return _compute_dtype(
+        cpu,
+        dtype,
+        quantize,
+        work="prompts",
+        float32_why="no AMX: float32 matrix products outrun bfloat16 ones on prompts (a float32 copy of the "
+        "decoder's linear layers, 5.6 GB, beside the packed bfloat16 one that decodes)",
+    )
+
+
+def _compute_dtype(cpu: dict[str, Any], dtype: str, quantize: str, *, work: str, float32_why: str) -> tuple[str, str]:
+    """The fastest products for compute-bound `work`: int8 if asked and fast, bf16 with AMX, else float32."""
+    if dtype == "float32":
+        chosen = "float32", "as the language model"
+    elif cpu["isa"].get("amx_bf16"):
+        chosen = "bfloat16", "AMX: bfloat16 matrix products are the fast ones"
+    else:
+        chosen = "float32", float32_why
+    if quantize != "int8":
+        return chosen
+    if not int8_products(cpu):
+        return chosen[0], chosen[1] + "; quantize=int8 not applied: no AVX-512 VNNI or AMX (int8 would be slower)"
+    return "int8", "quantize=int8: %s through dynamic int8 products (AVX-512 VNNI/AMX; numerics change)" % work

@@ -1,0 +1,102 @@
+"""What the model costs in memory: its footprint as data with provenance, and one worker's bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .common import GIB
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    name: str
+    parameters: int
+    checkpoint_dtype: str
+    text_layers: int
+    kv_heads: int
+    head_dim: int
+    tied_head_parameters: int  # the output head shares the input embedding's weights in the checkpoint
+    vision_parameters: int  # the vision tower, which may run in another dtype than the language model
+    text_linear_parameters: int  # the text decoder's linear layers, of which prompts may use a float32 copy
+    activation_bytes: int
+    runtime_bytes: int
+    provenance: str
+
+
+FOOTPRINTS = {
+    "qwen3-vl-2b-instruct": ModelFootprint(
+        name="Qwen3-VL-2B-Instruct",
+        parameters=2_128_000_000,
+        checkpoint_dtype="bfloat16",
+        text_layers=28,
+        kv_heads=8,
+        head_dim=128,
+        tied_head_parameters=151_936 * 2048,
+        vision_parameters=407_000_000,
+        text_linear_parameters=28 * (2 * 2048 * 2048 + 2 * 1024 * 2048 + 3 * 2048 * 6144),
+        activation_bytes=GIB // 2,
+        runtime_bytes=GIB // 2,
+        provenance=(
+            "parameters and KV shape from the hub config (revision 89644892); bf16 RSS after load "
+            "measured at 4.4 GB for 4.26 GB of weights with torch 2.13.0+cpu (docs/model.md), so "
+            "0.5 GiB covers the runtime (Python, torch, tokenizer, HTTP); activations: 0.5 GiB "
+            "budget for a capped image through the vision tower and a batched prefill, an estimate "
+            "until the service measures its peak; in bfloat16 the service packs the output head "
+            "into its own copy for oneDNN (vlserve/packing.py), so the tied head counts twice"
+        ),
+    ),
+}
+
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+COMPUTE_BYTES = DTYPE_BYTES | {"int8": 1}  # the vision tower's and the prefill copy's dtypes may also be int8
+
+MIN_CONTEXT_TOKENS = 2048  # a capped image (~200 tokens), a long question and a long answer
+KV_CHUNK_TOKENS = 128  # the service's key/value cache grows by this many tokens at a time (vlserve/kvcache.py)
+
+
+def worker_memory(
+    footprint: ModelFootprint,
+    dtype: str,
+    batch_size: int,
+    context_tokens: int,
+    *,
+    packed: bool = False,
+    vision_dtype: str | None = None,
+    prefill_dtype: str | None = None,
+) -> dict[str, int]:
+    """Per-worker memory: steady state (weights + KV + activations + runtime) and the load peak.
+
+    `packed`: the service's oneDNN-packed bfloat16 weights (vlserve/packing.py), where the tied output
+    head gets its own copy. `vision_dtype`: the vision tower's, when it differs from `dtype`.
+    `prefill_dtype`: when it differs from `dtype`, a second copy of the text decoder's linear layers
+    in that dtype for prompts (vlserve/packing.py).
+    """
+    width = DTYPE_BYTES[dtype]
+    weights = footprint.parameters * width
+    if packed:
+        weights += footprint.tied_head_parameters * width
+    if vision_dtype is not None:
+        weights += footprint.vision_parameters * (COMPUTE_BYTES[vision_dtype] - width)
+    if prefill_dtype is not None and prefill_dtype != dtype:
+        weights += footprint.text_linear_parameters * COMPUTE_BYTES[prefill_dtype]
+    kv_tokens = batch_size * (context_tokens + KV_CHUNK_TOKENS)  # each sequence's buffer may hold a chunk spare
+    kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * kv_tokens
+    steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
+    # Loading into another dtype than the checkpoint's holds both copies for a moment
+    # (measured: float32 from a bf16 checkpoint peaks at 12.3 GB for 8.3 GB steady).
+    peak = weights + footprint.runtime_bytes
+    if dtype != footprint.checkpoint_dtype:
+        peak += footprint.parameters * DTYPE_BYTES[footprint.checkpoint_dtype]
+    high = max(steady, peak)
+    return {
+        "weights_bytes": weights,
+        "kv_cache_bytes": kv_cache,
+        "activation_bytes": footprint.activation_bytes,
+        "runtime_bytes": footprint.runtime_bytes,
+        "steady_bytes": steady,
+        "load_peak_bytes": peak,
+        # Workers are counted by MemoryHigh (where the kernel throttles and reclaims); MemoryMax
+        # (where it kills) sits 10% above, so a burst is slowed, not fatal, and comes out of the reserve.
+        "high_bytes": high,
+        "max_bytes": int(high * 1.1),
+    }
