@@ -326,6 +326,18 @@ class Engine:
         waiter.wait(self.limits.request_timeout_s)
         log.info("warm-up done in %.1f s", time.monotonic() - started)
 
+    def start(self, status: Callable[[str], None] = lambda message: None, warmup: bool = True) -> None:
+        """Load, warm up (unless told not to) and mark ready; on any failure the engine is "failed" and
+        the error is raised to the caller, who reports it."""
+        try:
+            self.load(status)
+            if warmup:
+                self.warmup(status)
+        except Exception:
+            self.state = "failed"
+            raise
+        self.mark_ready()
+
     def mark_ready(self) -> None:
         self.state = "ready"
 
