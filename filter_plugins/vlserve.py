@@ -10,10 +10,16 @@ _PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "service" / "vlserve
 
 
 def _load(name: str):
-    """A module of the vlserve package by path, so the controller needs nothing installed for it."""
+    """A module (or subpackage) of the vlserve package by path, so the controller needs nothing installed."""
     qualified = "vlserve_for_filters_" + name
     if qualified not in sys.modules:
-        spec = importlib.util.spec_from_file_location(qualified, _PACKAGE / (name + ".py"))
+        package = _PACKAGE / name
+        if package.is_dir():  # its relative imports resolve below the qualified name
+            spec = importlib.util.spec_from_file_location(
+                qualified, package / "__init__.py", submodule_search_locations=[str(package)]
+            )
+        else:
+            spec = importlib.util.spec_from_file_location(qualified, _PACKAGE / (name + ".py"))
         sys.modules[qualified] = importlib.util.module_from_spec(spec)  # dataclasses look their module up here
         spec.loader.exec_module(sys.modules[qualified])
     return sys.modules[qualified]

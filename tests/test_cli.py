@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from conftest import TOPOLOGIES, run_tool
+from vlserve import units
 
 ALL = sorted(TOPOLOGIES.glob("*.json"))
 INFEASIBLE = {"wsl2-8cpu-6g"}
@@ -76,3 +77,21 @@ def test_bad_policy_exits_2_with_the_reason(args, message):
 def test_unknown_policy_is_refused_by_the_parser():
     result = vlserve("plan", "--policy", "fastest")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_render_units_writes_every_destination_once_from_the_plan(tmp_path):
+    facts = TOPOLOGIES / "xeon-gold-6248r-2s.json"
+    result = run_tool("vlserve", "render-units", "--out", str(tmp_path), "--facts", str(facts))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(run_tool("vlserve", "plan", "--json", "--facts", str(facts)).stdout)
+    written = {"/" + str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    expected = set(units.UNIT_FILES.values()) | set(units.CONFIG_FILES.values())
+    expected |= {units.ERROR_PAGE_FILE.format(status=status) for status in units.ERROR_PAGES}
+    for worker in plan["worker_list"]:
+        expected |= {path.format(index=worker["index"]) for path in units.WORKER_FILES.values()}
+    assert written == expected
+    worker = plan["worker_list"][-1]
+    env = (tmp_path / units.WORKER_FILES["worker.env.j2"].format(index=worker["index"]).lstrip("/")).read_text()
+    assert env.startswith("#\n# Managed by vlserve render-units")
+    assert "VLSERVE_MEMORY_LIMIT_BYTES=%d\n" % worker["memory_guard_bytes"] in env
+    assert "OMP_PLACES=%s\n" % worker["environment"]["OMP_PLACES"] in env

@@ -813,7 +813,7 @@ def _feature_bytes(entry) -> int:
 
 
 def _cgroup_memory_limit() -> int | None:
-    """95% of this process's cgroup memory.high (or memory.max): where to start shedding load."""
+    """The plan's guard share of this process's cgroup memory.high (or memory.max): where to shed load."""
     try:
         with open("/proc/self/cgroup", encoding="utf-8") as handle:
             line = next((x for x in handle.read().splitlines() if x.startswith("0::")), None)
@@ -828,5 +828,5 @@ def _cgroup_memory_limit() -> int | None:
         except OSError:
             continue
         if value != "max":
-            return int(int(value) * 0.95)
+            return int(int(value) * sizing.MEMORY_GUARD_FRACTION)
     return None

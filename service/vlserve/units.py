@@ -9,18 +9,25 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-# Files rendered from templates/, and where each goes on the host. Per-worker files repeat per plan worker.
+CONFIG_DIR = "/etc/vlserve"
+UNIT_DIR = "/etc/systemd/system"
+# Files rendered from templates/, and where each goes on the host: the one list both renderers (the
+# deploy role through `vlserve_units.files`, `render_all` here) write from.
 UNIT_FILES = {
-    "vlserve@.service.j2": "/etc/systemd/system/vlserve@.service",
-    "vlserve.target.j2": "/etc/systemd/system/vlserve.target",
-    "vlserve-front.service.j2": "/etc/systemd/system/vlserve-front.service",
-    "vlserve.env.j2": "{config_dir}/vlserve.env",
-    "haproxy.cfg.j2": "{config_dir}/haproxy.cfg",
+    "vlserve@.service.j2": UNIT_DIR + "/vlserve@.service",
+    "vlserve.target.j2": UNIT_DIR + "/vlserve.target",
+    "vlserve-front.service.j2": UNIT_DIR + "/vlserve-front.service",
 }
+CONFIG_FILES = {
+    "vlserve.env.j2": CONFIG_DIR + "/vlserve.env",
+    "haproxy.cfg.j2": CONFIG_DIR + "/haproxy.cfg",
+}
+# Per plan worker: its environment and its systemd drop-in (CPUs, memory limits).
 WORKER_FILES = {
-    "worker.conf.j2": "/etc/systemd/system/vlserve@{index}.service.d/50-plan.conf",
-    "worker.env.j2": "{config_dir}/worker-{index}.env",
+    "worker.env.j2": CONFIG_DIR + "/worker-{index}.env",
+    "worker.conf.j2": UNIT_DIR + "/vlserve@{index}.service.d/50-plan.conf",
 }
+ERROR_PAGE_FILE = CONFIG_DIR + "/errors/{status}.http"
 # The front's own error pages: raw HTTP responses in the service's error shape.
 ERROR_PAGES = {
     400: ("Bad Request", "the request is malformed", "invalid_request_error", "bad_request"),
@@ -61,7 +68,8 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         "venv": install_dir + "/venv",
         "user": options["user"],
         "group": options["group"],
-        "config_dir": "/etc/vlserve",
+        "config_dir": CONFIG_DIR,
+        "files": {"units": UNIT_FILES, "config": CONFIG_FILES, "worker": WORKER_FILES},
         "model_dir": str(options["model_dir"]),
         "state_dir": str(options["state_dir"]),
         "cache_dir": str(options["cache_dir"]),
@@ -69,7 +77,10 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         "image_url_hosts": list(options.get("settings", {}).get("image_url_hosts", [])),
         "settings": settings,
         "numa_bind": plan["workers"]["numa_bind"],
-        "workers": plan["worker_list"],
+        "workers": [
+            dict(worker, files={name: path.format(index=worker["index"]) for name, path in WORKER_FILES.items()})
+            for worker in plan["worker_list"]
+        ],
         "front": {
             "port": int(options["front_port"]),
             "bind": options["front_bind"],
@@ -78,7 +89,14 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
             "timeout_s": int(options["request_timeout_s"]) + 30,
         },
         "error_pages": [
-            {"status": status, "reason": reason, "message": message, "type": kind, "code": code}
+            {
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "type": kind,
+                "code": code,
+                "file": ERROR_PAGE_FILE.format(status=status),
+            }
             for status, (reason, message, kind, code) in ERROR_PAGES.items()
         ],
     }
@@ -115,13 +133,12 @@ def render_all(templates: pathlib.Path, context: dict[str, Any], managed: str) -
     environment.filters.update(vlserve_cpu_list=format_cpu_list, comment=comment)
     base = {"vlserve_units": context, "ansible_managed": managed}
     files = {}
-    for name, destination in UNIT_FILES.items():
-        files[destination.format(config_dir=context["config_dir"])] = environment.get_template(name).render(base)
+    for name, destination in {**UNIT_FILES, **CONFIG_FILES}.items():
+        files[destination] = environment.get_template(name).render(base)
     for worker in context["workers"]:
-        for name, destination in WORKER_FILES.items():
-            path = destination.format(config_dir=context["config_dir"], index=worker["index"])
-            files[path] = environment.get_template(name).render(dict(base, worker=worker))
+        for name, destination in worker["files"].items():
+            files[destination] = environment.get_template(name).render(dict(base, worker=worker))
     for page in context["error_pages"]:
         text = environment.get_template("error.http.j2").render(dict(base, page=page))
-        files["%s/errors/%d.http" % (context["config_dir"], page["status"])] = text.replace("\n", "\r\n")
+        files[page["file"]] = text.replace("\n", "\r\n")
     return files

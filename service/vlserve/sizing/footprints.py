@@ -50,6 +50,9 @@ FOOTPRINTS = {
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 COMPUTE_BYTES = DTYPE_BYTES | {"int8": 1}  # the vision tower's and the prefill copy's dtypes may also be int8
 
+# A worker refuses new requests (503, memory_pressure) once its anonymous memory passes this share of
+# MemoryHigh, before the kernel starts throttling it (vlserve/engine.py reads it from its own cgroup).
+MEMORY_GUARD_FRACTION = 0.95
 MIN_CONTEXT_TOKENS = 2048  # a capped image (~200 tokens), a long question and a long answer
 KV_CHUNK_TOKENS = 128  # the service's key/value cache grows by this many tokens at a time (vlserve/kvcache.py)
 
@@ -99,4 +102,5 @@ def worker_memory(
         # (where it kills) sits 10% above, so a burst is slowed, not fatal, and comes out of the reserve.
         "high_bytes": high,
         "max_bytes": int(high * 1.1),
+        "guard_bytes": int(high * MEMORY_GUARD_FRACTION),
     }

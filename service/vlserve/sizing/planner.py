@@ -118,6 +118,7 @@ def _worker_entries(
                 "threads": len(cpus),
                 "memory_high_bytes": per_worker["high_bytes"],
                 "memory_max_bytes": per_worker["max_bytes"],
+                "memory_guard_bytes": per_worker["guard_bytes"],
                 "environment": {
                     "OMP_NUM_THREADS": str(len(cpus)),
                     "MKL_NUM_THREADS": str(len(cpus)),
