@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from topology_builder import build_facts
@@ -75,8 +75,7 @@ def plan_or_none(facts, policy):
 @given(hosts(), policies)
 def test_threads_never_exceed_usable_physical_cores(facts, policy):
     result = plan_or_none(facts, policy)
-    if result is None:
-        return
+    assume(result is not None)
     threads = sum(w["threads"] for w in result["worker_list"])
     assert threads == sum(len(w["cpus"]) for w in result["worker_list"])
     assert threads <= len(result["cores"]["usable"])
@@ -95,8 +94,7 @@ def test_threads_never_exceed_usable_physical_cores(facts, policy):
 @given(hosts(), policies)
 def test_worker_memory_never_exceeds_the_budget(facts, policy):
     result = plan_or_none(facts, policy)
-    if result is None:
-        return
+    assume(result is not None)
     memory = result["memory"]
     count = result["workers"]["count"]
     assert count * memory["per_worker"]["high_bytes"] <= memory["available_bytes"]
@@ -111,8 +109,7 @@ def test_worker_memory_never_exceeds_the_budget(facts, policy):
 @given(hosts(), policies)
 def test_no_worker_spans_numa_nodes_and_cpu_lists_are_disjoint(facts, policy):
     result = plan_or_none(facts, policy)
-    if result is None:
-        return
+    assume(result is not None)
     node_of = {e["cpu"]: e["node"] for e in facts["cpu"]["topology"]}
     seen = set()
     for worker in result["worker_list"]:
@@ -131,8 +128,7 @@ def test_no_worker_spans_numa_nodes_and_cpu_lists_are_disjoint(facts, policy):
 @given(hosts(), policies)
 def test_memory_for_speed_trades_never_cost_a_worker(facts, policy):
     result = plan_or_none(facts, policy)
-    if result is None:
-        return
+    assume(result is not None)
     model = result["model"]
     policy = sizing.Policy(**result["policy"])
     budget = fitting.plan_memory_budget(facts["memory"], facts["limits"], policy)

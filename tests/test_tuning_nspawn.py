@@ -22,7 +22,7 @@ from harness.playbooks import audit, play, recap
 REASON = nspawn.available()
 if REASON and os.environ.get("CI"):
     raise RuntimeError("the systemd tier must run in CI: %s" % REASON)
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 ETC = ("/etc",)
 

@@ -17,7 +17,7 @@ from harness.playbooks import audit, play, recap
 REASON = qemu.available()
 if REASON and os.environ.get("CI"):
     raise RuntimeError("the QEMU tier must run in CI: %s" % REASON)
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 # CPU 0 for housekeeping (the OS confined to it), CPU 1 for inference: cpusets that differ from
 # "everything" prove that AllowedCPUs= took effect on every slice.
