@@ -94,6 +94,16 @@ def test_audit_reports_an_infeasible_host_instead_of_failing():
     assert "no plan: one Qwen3-VL-2B-Instruct worker needs" in result.stdout
 
 
-def test_readme_role_variables_match_the_argument_specs():
+def test_docs_role_variables_match_the_argument_specs():
     result = run_tool("python", "scripts/role-docs", "--check")
     assert result.returncode == 0, result.stderr
+
+
+def test_the_deploy_role_ships_every_package_a_host_runs():
+    """A new subpackage of vlserve must reach the hosts (only the benchmarks stay on the controller)."""
+    shipped = set(
+        yaml.safe_load((REPO / "roles/vlserve_deploy/vars/main.yml").read_text())["__vlserve_deploy_source_dirs"]
+    )
+    service = REPO / "service"
+    packages = {str(p.parent.relative_to(service)) for p in (service / "vlserve").rglob("__init__.py")}
+    assert shipped == packages - {"vlserve/bench"}

@@ -245,3 +245,29 @@ def test_bad_policy_values_are_named(values, message):
 def test_policy_from_text_values_as_extra_vars_give_them():
     policy = sizing.Policy.from_mapping({"max_workers": "3", "zram_fraction": "0.25", "allowed_cpus": "0-3,8"})
     assert (policy.max_workers, policy.zram_fraction, policy.allowed_cpus) == (3, 0.25, [0, 1, 2, 3, 8])
+
+
+def test_footprint_matches_the_architecture_make_test_model_writes():
+    """The planner's figures for Qwen3-VL-2B and the `--size real` checkpoint describe one model."""
+    import torch  # noqa: PLC0415
+    from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415
+
+    from vlserve.testmodel import model_config  # noqa: PLC0415
+
+    config, _ = model_config("real")
+    with torch.device("meta"):  # shapes only: no memory for 2 B parameters
+        model = Qwen3VLForConditionalGeneration(config)
+    footprint = sizing.FOOTPRINTS["qwen3-vl-2b-instruct"]
+    text = config.text_config
+    decoder = model.model.language_model
+    assert footprint.text_layers == text.num_hidden_layers
+    assert footprint.kv_heads == text.num_key_value_heads
+    assert footprint.head_dim == text.head_dim
+    assert footprint.tied_head_parameters == decoder.embed_tokens.weight.numel()
+    linear = sum(m.weight.numel() for m in decoder.modules() if isinstance(m, torch.nn.Linear))
+    assert footprint.text_linear_parameters == linear
+    # Rounded in FOOTPRINTS (2.128 B, 0.407 B): within 0.1%.
+    total = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    assert abs(footprint.parameters - total) <= total / 1000
+    assert abs(footprint.vision_parameters - vision) <= vision / 1000

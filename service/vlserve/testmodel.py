@@ -66,7 +66,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-# The real Qwen3-VL-2B-Instruct configuration (shared/MODEL.md); `tiny` keeps its shape rules.
+# The real Qwen3-VL-2B-Instruct configuration (docs/model.md); `tiny` keeps its shape rules.
 SIZES = {
     "real": {
         "text": {
@@ -186,21 +186,13 @@ def build_tokenizer(first_special_id: int | None = None):
     return tokenizer
 
 
-def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, dtype: str = "bfloat16") -> Path:
-    """Write a Qwen3-VL checkpoint with random weights to `directory` and return its path."""
-    import torch  # noqa: PLC0415
-    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration  # noqa: PLC0415
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa: PLC0415
-        Qwen2VLImageProcessorPil,
-    )
-
-    from vlserve.processor import ImageOnlyQwen3VLProcessor  # noqa: PLC0415
+def model_config(size: str = "tiny"):
+    """The Qwen3VLConfig of a test checkpoint and the tokenizer it agrees with."""
+    from transformers import Qwen3VLConfig  # noqa: PLC0415
 
     if size not in SIZES:
         raise ValueError("size must be one of %s" % ", ".join(SIZES))
     spec = SIZES[size]
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(REAL_FIRST_SPECIAL_ID if size == "real" else None)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL_TOKENS}
     vocab_size = spec["vocab_size"] or len(tokenizer)
@@ -232,6 +224,24 @@ def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, dt
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
     )
+    return config, tokenizer
+
+
+def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """Write a Qwen3-VL checkpoint with random weights to `directory` and return its path."""
+    import torch  # noqa: PLC0415
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration  # noqa: PLC0415
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa: PLC0415
+        Qwen2VLImageProcessorPil,
+    )
+
+    from vlserve.processor import ImageOnlyQwen3VLProcessor  # noqa: PLC0415
+
+    config, tokenizer = model_config(size)  # refuses an unknown size before anything is written
+    spec = SIZES[size]
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL_TOKENS}
     torch.manual_seed(seed)
     torch_dtype = getattr(torch, dtype)
     previous = torch.get_default_dtype()

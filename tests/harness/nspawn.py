@@ -1,6 +1,6 @@
 """A systemd-nspawn container booted from the harness rootfs: systemd as PID 1, reached over SSH.
 
-What is real there and what is not is in shared/HARNESS.md: units, daemon-reload, systemctl,
+What is real there and what is not is in tests/harness/README.md: units, daemon-reload, systemctl,
 slices, apt and pip are; sysctls, cpusets, zram and cpufreq are not (the roles write their
 config files there and the audit reports those knobs as not applicable in a container).
 """

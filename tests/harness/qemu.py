@@ -1,7 +1,7 @@
 """A QEMU VM (software emulation) booted from the harness rootfs: a real kernel of its own.
 
 Where the nspawn tier cannot go: sysctls take effect, zram swap exists, cgroup v2 cpusets apply
-(shared/HARNESS.md). /dev/kvm here cannot boot a stock kernel, so this is TCG: slow (seconds per
+(tests/harness/README.md). /dev/kvm here cannot boot a stock kernel, so this is TCG: slow (seconds per
 Ansible task), and kept to the kernel-level checks.
 """
 
