@@ -111,6 +111,12 @@ def test_bandwidth_is_measured_on_a_buffer_of_the_asked_size():
     assert result["buffer_bytes"] == 64 * 2**20 and result["bytes_per_s"] > 0
 
 
+def fresh_torch_threads() -> int:
+    """torch's default thread count in a new process (this one's may have been set by another test)."""
+    result = run_tool("python", "-c", "import torch; print(torch.get_num_threads())")
+    return int(result.stdout)
+
+
 def test_compare_runs_naive_and_tuned_and_fills_every_figure(tiny_model, tmp_path):
     out = tmp_path / "compare.json"
     result = run_tool(
@@ -141,7 +147,7 @@ def test_compare_runs_naive_and_tuned_and_fills_every_figure(tiny_model, tmp_pat
         "dtype": "float32",
         "vision_dtype": "float32",
         "prefill_dtype": "float32",
-        "threads": torch.get_num_threads(),
+        "threads": fresh_torch_threads(),
         "packed_weights": False,
     }
     assert data["tuned"]["server"]["dtype"] == plan["model"]["dtype"]

@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from conftest import run_tool
-from vlserve.engine import ContextLengthExceeded, Engine, ImageInput, RequestTimeout
+from vlserve.engine import Engine, ImageInput
+from vlserve.errors import ContextLengthExceeded, RequestTimeout
 from vlserve.packing import PREFILL_ROWS, PackedGroup, PackedLinear, packing_supported
 from vlserve.quantized import INT8_PREFILL_ROWS, Int8Linear, Int8Weight
 from vlserve.sampling import SamplingParams

@@ -21,7 +21,8 @@ from vlserve.api.errors import install_error_handlers
 from vlserve.api.middleware import BodyLimitMiddleware, request_counter
 from vlserve.api.routes import ask, health, openai
 from vlserve.api.submission import Submitter
-from vlserve.engine import Engine, ModelDirectoryError
+from vlserve.engine import Engine
+from vlserve.errors import ModelDirectoryError
 from vlserve.metrics import Metrics
 from vlserve.settings import Settings
 

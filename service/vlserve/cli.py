@@ -142,7 +142,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     settings = Settings(*parts)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from vlserve.engine import ModelDirectoryError, check_model_directory  # noqa: PLC0415
+    from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
+    from vlserve.loader import check_model_directory  # noqa: PLC0415
 
     try:
         check_model_directory(settings.model.model)

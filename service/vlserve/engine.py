@@ -38,69 +38,23 @@ from PIL import Image
 from vlserve import sizing
 from vlserve.batch import BatchState
 from vlserve.caches import LRUCache
-from vlserve.kvcache import new_cache
-from vlserve.metrics import Metrics, anonymous_memory
-from vlserve.packing import (
-    checkpoint_copy_steps,
-    convert_vision_tower,
-    pack_language_model,
-    packing_supported,
-    pending_prefill_copies,
+from vlserve.errors import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineFailure,
+    InvalidRequest,
+    MemoryPressure,
+    NotReady,
+    Overloaded,
+    RequestTimeout,
 )
-from vlserve.quantized import add_int8_prompt_copies
+from vlserve.kvcache import new_cache
+from vlserve.loader import check_model_directory, load_model
+from vlserve.metrics import Metrics, anonymous_memory
 from vlserve.sampling import SamplingParams, next_tokens
 from vlserve.settings import LimitSettings, ModelSettings
 
 log = logging.getLogger(__name__)
-
-
-# --- Errors the engine raises; the HTTP layer maps each to a status code. --------------------
-
-
-class EngineError(Exception):
-    """Base of the engine's errors; `code` is machine-readable, the message is for people."""
-
-    code = "engine_error"
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class InvalidRequest(EngineError):
-    code = "invalid_request"
-
-
-class ContextLengthExceeded(InvalidRequest):
-    code = "context_length_exceeded"
-
-
-class NotReady(EngineError):
-    code = "not_ready"
-
-
-class Overloaded(EngineError):
-    code = "queue_full"
-
-    def __init__(self, message: str, retry_after: int = 1):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class MemoryPressure(Overloaded):
-    code = "memory_pressure"
-
-
-class RequestTimeout(EngineError):
-    code = "timeout"
-
-
-class EngineFailure(EngineError):
-    code = "engine_failure"
-
-
-class ModelDirectoryError(EngineError):
-    code = "model_directory"
 
 
 # --- What goes in and out. ------------------------------------------------------------------
@@ -169,23 +123,6 @@ class Sequence:
 # --- The engine. ----------------------------------------------------------------------------
 
 
-def check_model_directory(path: Path) -> None:
-    """Fail fast, with a message that says what is wrong, before anything is loaded."""
-    if not path.is_dir():
-        raise ModelDirectoryError("model directory %s does not exist" % path)
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ModelDirectoryError("%s has no config.json: not a Hugging Face checkpoint" % path)
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as error:
-        raise ModelDirectoryError("%s is unreadable: %s" % (config_path, error)) from None
-    if config.get("model_type") != "qwen3_vl":
-        raise ModelDirectoryError("%s is a %r model, not qwen3_vl" % (path, config.get("model_type")))
-    if not any(path.glob("*.safetensors")):
-        raise ModelDirectoryError("%s has no *.safetensors weights" % path)
-
-
 class Engine:
     def __init__(self, model: ModelSettings, limits: LimitSettings, metrics: Metrics | None = None):
         self.model_settings = model
@@ -242,67 +179,12 @@ class Engine:
             raise failure[0] if failure else EngineFailure("the scheduler thread stopped while loading the model")
 
     def _load_model(self, status: Callable[[str], None]) -> None:
-        from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415 - slow import, loaded once
-
-        from vlserve.processor import load_processor  # noqa: PLC0415
-
-        path = Path(self.model_settings.model)
-        facts = sizing.probe(use_libraries=False)
-        self.threads = self.model_settings.threads or sizing.default_threads(facts)
-        torch.set_num_threads(self.threads)
-        if self.model_settings.dtype == "auto":
-            self.dtype = "bfloat16" if sizing.native_bfloat16(facts["cpu"]) else "float32"
-        else:
-            self.dtype = self.model_settings.dtype
-        if self.model_settings.vision_dtype == "auto":
-            self.vision_dtype = sizing.plan_vision_dtype(facts["cpu"], self.dtype)[0]
-        else:
-            self.vision_dtype = self.model_settings.vision_dtype
-        if self.model_settings.prefill_dtype == "auto":
-            self.prefill_dtype = sizing.plan_prefill_dtype(facts["cpu"], self.dtype)[0]
-        else:
-            self.prefill_dtype = self.model_settings.prefill_dtype
-        status("loading processor from %s" % path)
-        processor = load_processor(path)
-        processor.image_processor.size = {
-            "shortest_edge": self.model_settings.min_pixels,
-            "longest_edge": self.model_settings.max_pixels,
-        }
-        status("loading %s weights (%d threads)" % (self.dtype, self.threads))
-        started = time.monotonic()
-        model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, self.dtype))
-        model.eval()
-        self.packed = False
-        if self.model_settings.packed_weights and packing_supported(model.dtype):
-            status("packing weights for oneDNN")
-            packed = pack_language_model(
-                model, vision_dtype=getattr(torch, self.vision_dtype), prefill_dtype=getattr(torch, self.prefill_dtype)
-            )
-            self.packed = True
-            self._prefill_copies = pending_prefill_copies(model)
-            self._map_copies = checkpoint_copy_steps(model)
-            log.info("packed %d linear layers for oneDNN (prompts in %s)", packed, self.prefill_dtype)
-        else:
-            convert_vision_tower(model, getattr(torch, self.vision_dtype))
-            if self.prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
-                add_int8_prompt_copies(model.model.language_model)
-                self._prefill_copies = pending_prefill_copies(model)
-            else:
-                self.prefill_dtype = self.dtype  # a float32 or bf16 prefill copy lives in the packed layers
-        self.processor, self.model = processor, model
-        tokenizer = processor.tokenizer
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-        self.eos_ids.discard(None)
-        log.info(
-            "loaded %s in %.1f s: %s (vision %s), %d threads",
-            path,
-            time.monotonic() - started,
-            self.dtype,
-            self.vision_dtype,
-            self.threads,
-        )
+        loaded = load_model(self.model_settings, self.limits, status)
+        self.threads, self.dtype, self.packed = loaded.threads, loaded.dtype, loaded.packed
+        self.vision_dtype, self.prefill_dtype = loaded.vision_dtype, loaded.prefill_dtype
+        self.pad_id, self.eos_ids = loaded.pad_id, loaded.eos_ids
+        self._prefill_copies, self._map_copies = loaded.prefill_copies, loaded.map_copies
+        self.processor, self.model = loaded.processor, loaded.model
 
     def warmup(self, status: Callable[[str], None] = lambda message: None) -> None:
         """One short request through every stage (vision encoder, prefill, decode), caches bypassed."""

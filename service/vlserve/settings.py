@@ -57,10 +57,11 @@ class ModelSettings(BaseSettings):
         description="images larger than this are downscaled before the vision encoder (pixels); "
         "448x448 costs about 1/12 of a 1280x720 photo at the processor's default",
     )
-    packed_weights: bool = Field(
-        True,
+    packed_weights: bool | None = Field(
+        None,
         description="in bfloat16, pack the language model's linear weights for oneDNN at load "
-        "(decode about a fifth faster; the tied output head gets its own copy, +0.6 GB)",
+        "(decode about a fifth faster; the tied output head gets its own copy, +0.6 GB); "
+        "unset: as the sizing plan for this process decides",
     )
     warmup: bool = Field(True, description="run one request through the model before reporting ready")
 

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlserve.engine import EngineError, InvalidRequest, NotReady, Overloaded, RequestTimeout
+from vlserve.errors import EngineError, InvalidRequest, NotReady, Overloaded, RequestTimeout
 from vlserve.images import ImageError
 from vlserve.protocol import ErrorDetail, ErrorResponse
 

@@ -17,7 +17,8 @@ import anyio
 from fastapi import Request
 
 from vlserve.api.errors import APIError, from_engine_error
-from vlserve.engine import Engine, EngineError, Prompt, Sequence, Usage
+from vlserve.engine import Engine, Prompt, Sequence, Usage
+from vlserve.errors import EngineError
 from vlserve.images import ImageInput, load_image
 from vlserve.protocol import UsageInfo
 from vlserve.sampling import SamplingParams

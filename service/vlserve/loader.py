@@ -1,0 +1,174 @@
+"""Loading: from a checkpoint directory to a model ready for the scheduler.
+
+What to load it as (dtype, the vision tower's and the prompts' dtypes, packed weights, threads)
+comes from the settings where they name a value, and on `auto` from the sizing plan of this
+process alone: its CPUs, its cgroup's memory, the batch and context it serves. So a worker started
+by hand takes the same memory-for-speed extras a deployed one would, and none the plan refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlserve import sizing
+from vlserve.errors import ModelDirectoryError
+from vlserve.packing import (
+    checkpoint_copy_steps,
+    convert_vision_tower,
+    pack_language_model,
+    packing_supported,
+    pending_prefill_copies,
+)
+from vlserve.quantized import add_int8_prompt_copies
+from vlserve.settings import LimitSettings, ModelSettings
+
+log = logging.getLogger(__name__)
+
+
+def check_model_directory(path: Path) -> None:
+    """Fail fast, with a message that says what is wrong, before anything is loaded."""
+    if not path.is_dir():
+        raise ModelDirectoryError("model directory %s does not exist" % path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelDirectoryError("%s has no config.json: not a Hugging Face checkpoint" % path)
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelDirectoryError("%s is unreadable: %s" % (config_path, error)) from None
+    if config.get("model_type") != "qwen3_vl":
+        raise ModelDirectoryError("%s is a %r model, not qwen3_vl" % (path, config.get("model_type")))
+    if not any(path.glob("*.safetensors")):
+        raise ModelDirectoryError("%s has no *.safetensors weights" % path)
+
+
+@dataclass(frozen=True)
+class LoadChoices:
+    """How to load the model, each choice with where it came from."""
+
+    threads: int
+    dtype: str
+    vision_dtype: str
+    prefill_dtype: str
+    packed: bool
+    why: str
+
+
+def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | None = None) -> LoadChoices:
+    """The settings' explicit values; on `auto`, the plan of one worker with this process's share of the host."""
+    facts = facts if facts is not None else sizing.probe(use_libraries=False)
+    threads = model.threads or sizing.default_threads(facts)
+    policy = sizing.Policy(
+        objective="latency",
+        max_workers=1,
+        dtype=model.dtype,
+        max_batch_size=limits.max_batch_size,
+        max_context_tokens=limits.max_context_tokens,
+    )
+    try:
+        planned = sizing.plan(facts, policy)["model"]
+        why = "the sizing plan for this process (%s)" % planned["batch_why"]
+    except sizing.PlanError as error:
+        # Not even one worker fits by the plan's figures: try anyway, without any extra copy.
+        dtype = (
+            model.dtype
+            if model.dtype != "auto"
+            else ("bfloat16" if sizing.native_bfloat16(facts["cpu"]) else "float32")
+        )
+        planned = {"dtype": dtype, "vision_dtype": dtype, "prefill_dtype": dtype, "packed_weights": False}
+        why = "no extra copies: %s" % error
+    return LoadChoices(
+        threads=threads,
+        dtype=planned["dtype"],
+        vision_dtype=planned["vision_dtype"] if model.vision_dtype == "auto" else model.vision_dtype,
+        prefill_dtype=planned["prefill_dtype"] if model.prefill_dtype == "auto" else model.prefill_dtype,
+        packed=planned["packed_weights"] if model.packed_weights is None else model.packed_weights,
+        why=why,
+    )
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model and what the scheduler needs to know of it."""
+
+    model: Any
+    processor: Any
+    threads: int
+    dtype: str
+    vision_dtype: str
+    prefill_dtype: str
+    packed: bool
+    pad_id: int
+    eos_ids: set[int]
+    prefill_copies: list = field(default_factory=list)  # layers still waiting for their prompt copy
+    map_copies: list[Callable[[], None]] = field(default_factory=list)  # tensors still in the checkpoint's map
+
+
+def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[str], None]) -> LoadedModel:
+    """Load the processor and the model as `choose` decides; call it on the thread that will run the model."""
+    from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415 - slow import, loaded once
+
+    from vlserve.processor import load_processor  # noqa: PLC0415
+
+    path = Path(model.model)
+    choices = choose(model, limits)
+    torch.set_num_threads(choices.threads)
+    log.info("loading as %s", choices)
+    status("loading processor from %s" % path)
+    processor = load_processor(path)
+    processor.image_processor.size = {"shortest_edge": model.min_pixels, "longest_edge": model.max_pixels}
+    status("loading %s weights (%d threads)" % (choices.dtype, choices.threads))
+    started = time.monotonic()
+    network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, choices.dtype))
+    network.eval()
+    vision_dtype, prefill_dtype = choices.vision_dtype, choices.prefill_dtype
+    packed, prefill_copies, map_copies = False, [], []
+    if choices.packed and packing_supported(network.dtype):
+        status("packing weights for oneDNN")
+        count = pack_language_model(
+            network, vision_dtype=getattr(torch, vision_dtype), prefill_dtype=getattr(torch, prefill_dtype)
+        )
+        packed = True
+        prefill_copies = pending_prefill_copies(network)
+        map_copies = checkpoint_copy_steps(network)
+        log.info("packed %d linear layers for oneDNN (prompts in %s)", count, prefill_dtype)
+    else:
+        convert_vision_tower(network, getattr(torch, vision_dtype))
+        if prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
+            add_int8_prompt_copies(network.model.language_model)
+            prefill_copies = pending_prefill_copies(network)
+        else:
+            prefill_dtype = choices.dtype  # a float32 or bf16 prefill copy lives in the packed layers
+    tokenizer = processor.tokenizer
+    eos = network.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    eos_ids.discard(None)
+    log.info(
+        "loaded %s in %.1f s: %s (vision %s), %d threads",
+        path,
+        time.monotonic() - started,
+        choices.dtype,
+        vision_dtype,
+        choices.threads,
+    )
+    return LoadedModel(
+        model=network,
+        processor=processor,
+        threads=choices.threads,
+        dtype=choices.dtype,
+        vision_dtype=vision_dtype,
+        prefill_dtype=prefill_dtype,
+        packed=packed,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        eos_ids=eos_ids,
+        prefill_copies=prefill_copies,
+        map_copies=map_copies,
+    )

@@ -1,0 +1,57 @@
+"""What a worker loads the model as: a hand-started worker on `auto` makes the plan's choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TOPOLOGIES, load_topology
+from vlserve import sizing
+from vlserve.loader import choose
+from vlserve.settings import LimitSettings, ModelSettings
+
+FEASIBLE = [p.stem for p in sorted(TOPOLOGIES.glob("*.json")) if p.stem != "wsl2-8cpu-6g"]
+
+
+@pytest.mark.parametrize("name", FEASIBLE)
+def test_auto_takes_what_a_deployed_worker_of_the_same_batch_takes(name):
+    facts = load_topology(name)
+    limits = LimitSettings(max_batch_size=2, max_context_tokens=4096)
+    chosen = choose(ModelSettings(), limits, facts)
+    plan = sizing.plan(
+        facts, sizing.Policy(objective="latency", max_workers=1, max_batch_size=2, max_context_tokens=4096)
+    )
+    environment = plan["worker_list"][0]["environment"]
+    assert (chosen.dtype, chosen.vision_dtype, chosen.prefill_dtype, chosen.packed) == (
+        environment["VLSERVE_DTYPE"],
+        environment["VLSERVE_VISION_DTYPE"],
+        environment["VLSERVE_PREFILL_DTYPE"],
+        environment["VLSERVE_PACKED_WEIGHTS"] == "true",
+    )
+    assert chosen.threads == sizing.default_threads(facts)
+
+
+def test_auto_refuses_the_float32_prompt_copy_where_the_plan_does():
+    """The 8 GB laptop: bfloat16 emulated, no room for a 5.6 GB float32 copy of the decoder."""
+    facts = load_topology("i7-11800h-laptop-8g")
+    chosen = choose(ModelSettings(), LimitSettings(), facts)
+    assert chosen.dtype == "bfloat16"
+    assert chosen.prefill_dtype == "bfloat16" and chosen.vision_dtype == "bfloat16"
+    assert "the sizing plan for this process" in chosen.why
+
+
+def test_explicit_settings_win_over_the_plan():
+    facts = load_topology("this-machine")
+    settings = ModelSettings(dtype="float32", vision_dtype="int8", prefill_dtype="float32", packed_weights=False)
+    chosen = choose(settings, LimitSettings(), facts)
+    assert (chosen.dtype, chosen.vision_dtype, chosen.prefill_dtype, chosen.packed) == (
+        "float32",
+        "int8",
+        "float32",
+        False,
+    )
+
+
+def test_a_host_the_plan_refuses_still_loads_without_extra_copies():
+    chosen = choose(ModelSettings(), LimitSettings(), load_topology("wsl2-8cpu-6g"))
+    assert chosen.vision_dtype == chosen.prefill_dtype == chosen.dtype and not chosen.packed
+    assert chosen.why.startswith("no extra copies: one Qwen3-VL-2B-Instruct worker needs")
