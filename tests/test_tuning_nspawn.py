@@ -66,6 +66,10 @@ def test_audit_before_tuning_shows_drift(guest, workdir):
         assert status[knob] == "n/a", knob
     assert report["facts"]["platform"]["container"] == "systemd-nspawn"
     assert report["summary"]["drift"] >= 3
+    # Planned on the target by the sizing package Ansible shipped as module_utils: the guest has
+    # only python3, no vlserve.
+    assert report["plan"]["schema"] == "vlserve.plan/1"
+    assert guest.ssh("python3 -c 'import vlserve'", check=False).returncode != 0
 
 
 def test_site_applies(guest, workdir):

@@ -111,84 +111,92 @@ def _row(knob: str, current: Any, desired: Any, status: str, why: str) -> dict[s
     return {"knob": knob, "current": current, "desired": desired, "status": status, "why": why}
 
 
-def _status(knob: dict[str, Any], runtime_ok: bool | None, config_ok: bool | None) -> tuple[str, str]:
+def _status(knob: dict[str, Any], running_ok: bool | None, written_ok: bool | None) -> tuple[str, str]:
     """ok / drift / n/a from what runs (where the knob applies) and what is written (where it is configured)."""
     if not knob["configure"]:
         return "n/a", knob["why"]
-    checks = [ok for ok in ((runtime_ok if knob["applies"] else None), config_ok) if ok is not None]
+    checks = [ok for ok in (running_ok, written_ok) if ok is not None]
     return ("ok" if all(checks) else "drift"), knob["why"]
+
+
+def running_checks(facts: dict[str, Any], plan: dict[str, Any], tuning: dict[str, Any]) -> dict[str, bool | None]:
+    """Per knob: does what runs now match the plan? None where the knob does not take effect here.
+
+    The one place that decides runtime drift: the audit reports it, and the roles act on
+    `runtime_drift` (what they re-apply where it differs).
+    """
+    knobs, sysctl = plan["knobs"], facts["sysctl"]
+    zram = knobs["zram"]["value"]
+    device = {d["name"]: d for d in facts["memory"]["zram"]["devices"]}.get("zram0")
+    swapping = {os.path.basename(s["name"]) for s in facts["memory"]["swaps"]}
+    running = {
+        "cpu_governor": set(facts["cpufreq"]["governors"]) == {knobs["cpu_governor"]["value"]},
+        "energy_performance_preference": set(facts["cpufreq"]["energy_performance_preferences"])
+        == {knobs["energy_performance_preference"]["value"]},
+        "zram": device is not None
+        and "zram0" in swapping
+        and abs((device["disksize_bytes"] or 0) - zram["size_bytes"]) <= sizing.MIB
+        and device["algorithm"] == zram["algorithm"],
+        "swappiness": sysctl.get("vm.swappiness") == knobs["swappiness"]["value"],
+        "page_cluster": sysctl.get("vm.page-cluster") == knobs["page_cluster"]["value"],
+        "cpu_isolation": tuning["slice"]["effective_cpus"] == knobs["cpu_isolation"]["value"]["cpus"],
+        "openmp_runtime": {"libgomp": tuning["libgomp"], "numactl": tuning["numactl"]}
+        == knobs["openmp_runtime"]["value"],
+        "wsl": None,  # .wslconfig is the Windows side's: nothing to read from here
+    }
+    return {name: (ok if knobs[name]["applies"] else None) for name, ok in running.items()}
+
+
+def runtime_drift(facts: dict[str, Any], plan: dict[str, Any], tuning: dict[str, Any]) -> list[str]:
+    """The knobs whose running state differs from the plan where they take effect."""
+    return [name for name, ok in running_checks(facts, plan, tuning).items() if ok is False]
 
 
 def audit(facts: dict[str, Any], plan: dict[str, Any], tuning: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per knob of the plan: current value, desired value, ok / drift / n/a, and why."""
     knobs = plan["knobs"]
+    running = running_checks(facts, plan, tuning)
     rows = []
 
+    def add(name: str, current: Any, written_ok: bool | None = None, desired: Any = None) -> None:
+        status, why = _status(knobs[name], running[name], written_ok)
+        rows.append(_row(name, current, knobs[name]["value"] if desired is None else desired, status, why))
+
     governors = facts["cpufreq"]["governors"]
-    knob = knobs["cpu_governor"]
-    status, why = _status(knob, set(governors) == {knob["value"]}, tuning["governor_unit"])
-    rows.append(_row("cpu_governor", sorted(governors) or None, knob["value"], status, why))
+    add("cpu_governor", sorted(governors) or None, tuning["governor_unit"])
+    add("energy_performance_preference", sorted(facts["cpufreq"]["energy_performance_preferences"]) or None)
 
-    preferences = facts["cpufreq"]["energy_performance_preferences"]
-    knob = knobs["energy_performance_preference"]
-    status, why = _status(knob, set(preferences) == {knob["value"]}, None)
-    rows.append(_row("energy_performance_preference", sorted(preferences) or None, knob["value"], status, why))
-
-    knob = knobs["zram"]
-    wanted = knob["value"]
-    devices = {d["name"]: d for d in facts["memory"]["zram"]["devices"]}
+    wanted = knobs["zram"]["value"]
+    device = {d["name"]: d for d in facts["memory"]["zram"]["devices"]}.get("zram0")
     swapping = {os.path.basename(s["name"]) for s in facts["memory"]["swaps"]}
-    device = devices.get("zram0")
-    running = (
-        device is not None
-        and "zram0" in swapping
-        and abs((device["disksize_bytes"] or 0) - wanted["size_bytes"]) <= sizing.MIB
-        and device["algorithm"] == wanted["algorithm"]
-    )
     config = tuning["zram_config"]
-    written = (
-        config is not None
-        and config.get("zram-size") == str(wanted["size_bytes"] // sizing.MIB)
-        and config.get("compression-algorithm") == wanted["algorithm"]
-    )
-    current = (
+    add(
+        "zram",
         {"size_bytes": device["disksize_bytes"], "algorithm": device["algorithm"], "swap": "zram0" in swapping}
         if device
-        else None
+        else None,
+        config is not None
+        and config.get("zram-size") == str(wanted["size_bytes"] // sizing.MIB)
+        and config.get("compression-algorithm") == wanted["algorithm"],
     )
-    status, why = _status(knob, running, written)
-    rows.append(_row("zram", current, wanted, status, why))
 
     written_sysctl = tuning["sysctl_file"] or {}
     for name, key in (("swappiness", "vm.swappiness"), ("page_cluster", "vm.page-cluster")):
-        knob = knobs[name]
-        running, written = facts["sysctl"].get(key), written_sysctl.get(key)
-        status, why = _status(knob, running == knob["value"], written == str(knob["value"]))
-        rows.append(_row(name, {"running": running, "sysctl.d": written}, knob["value"], status, why))
+        written = written_sysctl.get(key)
+        add(name, {"running": facts["sysctl"].get(key), "sysctl.d": written}, written == str(knobs[name]["value"]))
 
     knob = knobs["cpu_isolation"]
-    wanted_cpus = knob["value"]["cpus"]
     state = tuning["slice"]
-    status, why = _status(knob, state["effective_cpus"] == wanted_cpus, state["allowed_cpus"] == wanted_cpus)
     shown = state["effective_cpus"] if knob["applies"] else state["allowed_cpus"]
-    rows.append(
-        _row(
-            "cpu_isolation",
-            sizing.format_cpu_list(shown) if shown is not None else None,
-            sizing.format_cpu_list(wanted_cpus),
-            status,
-            why,
-        )
+    add(
+        "cpu_isolation",
+        sizing.format_cpu_list(shown) if shown is not None else None,
+        state["allowed_cpus"] == knob["value"]["cpus"],
+        desired=sizing.format_cpu_list(knob["value"]["cpus"]),
     )
 
-    knob = knobs["openmp_runtime"]
-    current = {"libgomp": tuning["libgomp"], "numactl": tuning["numactl"]}
-    status, why = _status(knob, current == knob["value"], None)
-    rows.append(_row("openmp_runtime", current, knob["value"], status, why))
-
-    knob = knobs["wsl"]
-    status, why = _status(knob, None, (tuning["wsl_systemd"] or "").lower() == "true")
-    rows.append(_row("wsl", {"systemd": tuning["wsl_systemd"]}, knob["value"], status, why))
+    add("openmp_runtime", {"libgomp": tuning["libgomp"], "numactl": tuning["numactl"]})
+    add("wsl", {"systemd": tuning["wsl_systemd"]}, (tuning["wsl_systemd"] or "").lower() == "true")
     return rows
 
 

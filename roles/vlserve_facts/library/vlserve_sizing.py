@@ -30,13 +30,15 @@ author: vlserve toolkit
 
 RETURN = r"""
 ansible_facts:
-  description: vlserve_facts, vlserve_plan (null when infeasible), vlserve_plan_error, vlserve_plan_text.
+  description: >-
+    vlserve_facts, vlserve_plan (null when infeasible), vlserve_plan_error, vlserve_plan_text,
+    vlserve_tuning, vlserve_runtime_drift (the knobs whose running state differs from the plan).
   returned: always
   type: dict
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.vlserve_audit import audit, probe_tuning, render, summary
+from ansible.module_utils.vlserve_audit import audit, probe_tuning, render, runtime_drift, summary
 from ansible.module_utils.vlserve_sizing import (
     PlanError,
     Policy,
@@ -78,6 +80,8 @@ def main():
         "vlserve_plan": result,
         "vlserve_plan_error": error,
         "vlserve_plan_text": text,
+        # Knobs whose running state differs from the plan: what the tuning roles re-apply.
+        "vlserve_runtime_drift": runtime_drift(facts, result, tuning) if result is not None else [],
     }
     if module.params["audit"] and result is not None:
         rows = audit(facts, result, tuning)
