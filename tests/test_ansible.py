@@ -18,6 +18,7 @@ import yaml
 
 from conftest import REPO, TOPOLOGIES, run_tool
 from vlserve import sizing
+from vlserve.audit import TUNING_FILES
 
 
 def playbook(*args, check=True):
@@ -107,3 +108,11 @@ def test_the_deploy_role_ships_every_package_a_host_runs():
     service = REPO / "service"
     packages = {str(p.parent.relative_to(service)) for p in (service / "vlserve").rglob("__init__.py")}
     assert shipped == packages - {"vlserve/bench"}
+
+
+def test_tuning_roles_take_their_paths_from_the_audit():
+    """The files the roles write are the ones the audit reads: named once, in audit.TUNING_FILES."""
+    for path in (REPO / "roles").glob("*/tasks/*.yml"):
+        text = path.read_text()
+        for name, target in TUNING_FILES.items():
+            assert target not in text, "%s writes %s itself; use vlserve_tuning_files.%s" % (path, target, name)

@@ -20,13 +20,24 @@ except ImportError:  # pragma: no cover - on targets
     from ansible.module_utils import vlserve_sizing as sizing
 
 AUDIT_SCHEMA = "vlserve.audit/1"
-SYSCTL_FILE = "/etc/sysctl.d/90-vlserve.conf"
-ZRAM_CONFIG = "/etc/systemd/zram-generator.conf"
-ZRAM_UNIT = "/etc/systemd/system/vlserve-zram.service"  # the zramctl fallback
-TUNED_PROFILE = "/etc/tuned/vlserve/tuned.conf"  # where tuned runs, the sysctl values live here
-SLICE_UNIT = "/etc/systemd/system/vlserve.slice"
-GOVERNOR_UNIT = "/etc/systemd/system/vlserve-cpu-governor.service"
-WSL_CONF = "/etc/wsl.conf"
+# What the tuning roles write, and so what the audit reads back: the roles take these paths from
+# the vlserve_facts role (`vlserve_tuning_files`), so both sides name each file once, here.
+TUNING_FILES = {
+    "sysctl": "/etc/sysctl.d/90-vlserve.conf",
+    "zram_config": "/etc/systemd/zram-generator.conf",
+    "zram_unit": "/etc/systemd/system/vlserve-zram.service",  # the zramctl fallback
+    "tuned_profile": "/etc/tuned/vlserve/tuned.conf",  # where tuned runs, the sysctl values live here
+    "slice_unit": "/etc/systemd/system/vlserve.slice",
+    "governor_unit": "/etc/systemd/system/vlserve-cpu-governor.service",
+    "wsl_conf": "/etc/wsl.conf",
+}
+SYSCTL_FILE = TUNING_FILES["sysctl"]
+ZRAM_CONFIG = TUNING_FILES["zram_config"]
+ZRAM_UNIT = TUNING_FILES["zram_unit"]
+TUNED_PROFILE = TUNING_FILES["tuned_profile"]
+SLICE_UNIT = TUNING_FILES["slice_unit"]
+GOVERNOR_UNIT = TUNING_FILES["governor_unit"]
+WSL_CONF = TUNING_FILES["wsl_conf"]
 LIBRARY_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/lib/*-linux-gnu", "/lib/*-linux-gnu")
 
 

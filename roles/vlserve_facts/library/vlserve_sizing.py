@@ -38,7 +38,7 @@ ansible_facts:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.vlserve_audit import audit, probe_tuning, render, runtime_drift, summary
+from ansible.module_utils.vlserve_audit import TUNING_FILES, audit, probe_tuning, render, runtime_drift, summary
 from ansible.module_utils.vlserve_sizing import (
     PlanError,
     Policy,
@@ -82,6 +82,8 @@ def main():
         "vlserve_plan_text": text,
         # Knobs whose running state differs from the plan: what the tuning roles re-apply.
         "vlserve_runtime_drift": runtime_drift(facts, result, tuning) if result is not None else [],
+        # Where the tuning roles write (and the audit reads).
+        "vlserve_tuning_files": TUNING_FILES,
     }
     if module.params["audit"] and result is not None:
         rows = audit(facts, result, tuning)
