@@ -8,8 +8,8 @@ import pathlib
 import jinja2
 import pytest
 
-from conftest import REPO
-from vlserve import audit
+from conftest import REPO, load_topology
+from vlserve import audit, sizing
 
 MEMORY_TEMPLATES = REPO / "roles" / "vlserve_memory" / "templates"
 
@@ -65,3 +65,19 @@ def test_sysctls_written_to_sysctl_d_or_a_tuned_profile_read_the_same(root, wher
 def test_nothing_written_reads_as_nothing(root):
     tuning = audit.probe_tuning(str(root))
     assert tuning["zram_config"] is None and tuning["sysctl_file"] is None
+
+
+def test_memory_headroom_names_the_pressure_of_other_processes():
+    facts = load_topology("this-machine")
+    plan = sizing.plan(facts)
+    needed = plan["workers"]["count"] * plan["memory"]["per_worker"]["high_bytes"]
+    facts["limits"]["vlserve_slice_bytes"] = None
+    facts["memory"]["available_bytes"] = needed + sizing.GIB
+    assert audit.memory_headroom(facts, plan)["status"] == "ok"
+    facts["memory"]["available_bytes"] = needed - sizing.GIB  # a neighbour took 2 GiB
+    row = audit.memory_headroom(facts, plan)
+    assert row["status"] == "drift" and "throttled or OOM-killed" in row["why"]
+    assert row["current"]["other_processes_bytes"] == plan["memory"]["total_bytes"] - (needed - sizing.GIB)
+    # What the workers hold themselves is theirs to use, not pressure.
+    facts["limits"]["vlserve_slice_bytes"] = 2 * sizing.GIB
+    assert audit.memory_headroom(facts, plan)["status"] == "ok"

@@ -208,7 +208,41 @@ def audit(facts: dict[str, Any], plan: dict[str, Any], tuning: dict[str, Any]) -
 
     add("openmp_runtime", {"libgomp": tuning["libgomp"], "numactl": tuning["numactl"]})
     add("wsl", {"systemd": tuning["wsl_systemd"]}, (tuning["wsl_systemd"] or "").lower() == "true")
+    rows.append(memory_headroom(facts, plan))
     return rows
+
+
+def memory_headroom(facts: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """Not a knob but the plan's premise: do the host's other processes leave the workers their memory?
+
+    The plan sizes from stable capacity, so it holds still while neighbours grow; this row is where
+    their growth shows, read from what is free now plus what the workers already hold.
+    """
+    memory, limits = facts["memory"], facts["limits"]
+    free = memory["available_bytes"]
+    if limits.get("memory_limit_bytes") is not None and limits.get("memory_usage_bytes") is not None:
+        free = min(free, limits["memory_limit_bytes"] - limits["memory_usage_bytes"])
+    held = limits.get("vlserve_slice_bytes") or 0
+    needed = plan["workers"]["count"] * plan["memory"]["per_worker"]["high_bytes"]
+    others = max(0, plan["memory"]["total_bytes"] - free - held)
+    ok = free + held >= needed
+    why = "the plan gives its %d worker(s) %s; other processes use %s of %s, leaving %s" % (
+        plan["workers"]["count"],
+        _gib(needed),
+        _gib(others),
+        _gib(plan["memory"]["total_bytes"]),
+        _gib(free + held),
+    )
+    if not ok:
+        why += ": the workers will be throttled or OOM-killed at full load (stop something, or declare it"
+        why += " with vlserve_facts_other_services_bytes so the plan leaves it room)"
+    return _row(
+        "memory_headroom",
+        {"other_processes_bytes": others, "free_for_workers_bytes": free + held},
+        {"workers_bytes": needed},
+        "ok" if ok else "drift",
+        why,
+    )
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -227,6 +261,10 @@ def render(rows: list[dict[str, Any]]) -> str:
             % (row["knob"].ljust(width), row["status"], show(row["current"]), show(row["desired"]), row["why"])
         )
     return "\n".join(lines)
+
+
+def _gib(value: int) -> str:
+    return "%.1f GiB" % (value / sizing.GIB)
 
 
 def _short(key: str, value: Any) -> str:

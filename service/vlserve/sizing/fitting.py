@@ -11,28 +11,71 @@ from .footprints import MIN_CONTEXT_TOKENS, ModelFootprint, worker_memory
 from .policy import Policy
 
 
-def plan_memory_budget(memory: dict[str, Any], limits: dict[str, Any], policy: Policy) -> dict[str, Any]:
-    total = memory["total_bytes"]
-    available = memory["available_bytes"] + (limits.get("vlserve_slice_bytes") or 0)
-    why = "MemAvailable"
-    if limits.get("vlserve_slice_bytes"):
-        why += " plus what vlserve.slice already holds"
-    if limits.get("memory_limit_bytes") is not None:
-        room = limits["memory_limit_bytes"] - (limits.get("memory_usage_bytes") or 0)
-        if room < available:
-            available, why = room, "the cgroup memory limit minus its usage"
-        total = min(total, limits["memory_limit_bytes"])
+def plan_memory_budget(
+    memory: dict[str, Any], limits: dict[str, Any], policy: Policy, platform: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What the workers may hold: the host's stable capacity minus the reserve and the other services.
+
+    Capacity is total memory, or the cgroup's memory limit where lower (a container), which on WSL2
+    is the VM's memory= setting; never what happens to be free at the moment, so a plan holds still
+    while the host's other processes grow and shrink (the audit reports those separately).
+    """
+    capacity, source = memory["total_bytes"], "wsl" if (platform or {}).get("wsl") else "physical"
+    why = {"wsl": "the WSL2 VM's memory (memory= in .wslconfig)", "physical": "physical memory"}[source]
+    limit = limits.get("memory_limit_bytes")
+    if limit is not None and limit < capacity:
+        capacity, source, why = limit, "cgroup", "the cgroup's memory limit (memory.max)"
     if policy.memory_reserve_bytes is not None:
         reserve, reserve_why = policy.memory_reserve_bytes, "set by policy"
     else:
-        reserve, reserve_why = max(GIB, total // 20), "max(1 GiB, 5% of memory)"
+        reserve, reserve_why = max(GIB, capacity // 20), "max(1 GiB, 5% of memory)"
+    other = policy.other_services_bytes
+    if other:
+        why += ", less %s the operator declares for other services" % gib(other)
     return {
-        "total_bytes": total,
+        "total_bytes": capacity,
+        "capacity_source": source,
         "reserve_bytes": reserve,
         "reserve_why": reserve_why,
-        "available_bytes": max(0, available - reserve),
+        "other_services_bytes": other,
+        "available_bytes": max(0, capacity - reserve - other),
         "available_why": why,
     }
+
+
+def capacity_needed(budget: dict[str, Any], policy: Policy, worker_bytes: int) -> int:
+    """The capacity at which `worker_bytes` fits: a worker plus the reserve and the other services."""
+    base = worker_bytes + budget["other_services_bytes"]
+    if policy.memory_reserve_bytes is not None:
+        return base + policy.memory_reserve_bytes
+    return max(base + GIB, -(-base * 20 // 19))  # the reserve is 5% of the capacity itself
+
+
+def too_small(footprint: ModelFootprint, dtype: str, policy: Policy, budget: dict[str, Any], smallest: int) -> str:
+    """Why one worker does not fit, naming the limit that binds and what to change."""
+    full = worker_memory(footprint, dtype, policy.max_batch_size, policy.max_context_tokens)["high_bytes"]
+    needed = capacity_needed(budget, policy, smallest)
+    head = "one %s worker needs %s in %s (%s with batch 1 and a %d-token context), but %s leaves %s for workers" % (
+        footprint.name,
+        gib(full),
+        dtype,
+        gib(smallest),
+        MIN_CONTEXT_TOKENS,
+        budget["available_why"],
+        gib(budget["available_bytes"]),
+    )
+    remedy = {
+        "cgroup": "raise the container's memory limit (memory.max, MemoryMax= or --memory) to at least %s"
+        % gib(needed),
+        "wsl": "set memory=%dGB under [wsl2] in %%UserProfile%%\\.wslconfig, then run wsl --shutdown"
+        % -(-needed // GIB),
+        "physical": "this host has %s; it needs at least %s" % (gib(budget["total_bytes"]), gib(needed)),
+    }[budget["capacity_source"]]
+    if budget["other_services_bytes"]:
+        remedy += ", or declare less than %s for other services" % gib(budget["other_services_bytes"])
+    if dtype == "float32":
+        remedy += ", or take dtype bfloat16 (half the weights' memory, emulated on this CPU)"
+    return "%s: %s" % (head, remedy)
 
 
 @dataclass(frozen=True)
@@ -52,7 +95,13 @@ class WorkerFit:
 
 
 def fit_worker(
-    footprint: ModelFootprint, dtype: str, cpu: dict[str, Any], policy: Policy, available: int, *, wanted_workers: int
+    footprint: ModelFootprint,
+    dtype: str,
+    cpu: dict[str, Any],
+    policy: Policy,
+    budget: dict[str, Any],
+    *,
+    wanted_workers: int,
 ) -> WorkerFit:
     """The largest batch, then context, up to the policy's, with which one worker fits in `available`.
 
@@ -61,6 +110,7 @@ def fit_worker(
     the `wanted_workers` the cores allow is lost to it (a worker is worth more than a faster phase of
     one); a tight host keeps its batch and its workers instead.
     """
+    available = budget["available_bytes"]
     batch, context = policy.max_batch_size, policy.max_context_tokens
     extras: dict[str, Any] = {}
 
@@ -112,20 +162,7 @@ def fit_worker(
         elif context > MIN_CONTEXT_TOKENS:
             context = max(MIN_CONTEXT_TOKENS, context // 2)
         else:
-            full = worker_memory(footprint, dtype, policy.max_batch_size, policy.max_context_tokens)
-            raise PlanError(
-                "one %s worker needs %s in %s (%s with batch 1 and %d-token context), but only %s is "
-                "available for workers: add memory (on WSL2 raise memory= in .wslconfig) or stop other "
-                "services"
-                % (
-                    footprint.name,
-                    gib(full["high_bytes"]),
-                    dtype,
-                    gib(need["high_bytes"]),
-                    MIN_CONTEXT_TOKENS,
-                    gib(available),
-                )
-            )
+            raise PlanError(too_small(footprint, dtype, policy, budget, need["high_bytes"]))
     if (batch, context) == (policy.max_batch_size, policy.max_context_tokens):
         why = "batch %d x %d tokens as the policy asks" % (batch, context)
     else:

@@ -28,10 +28,10 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
     cpu, limits, memory = facts["cpu"], facts["limits"], facts["memory"]
 
     cores = plan_cores(cpu, limits, policy)
-    budget = plan_memory_budget(memory, limits, policy)
+    budget = plan_memory_budget(memory, limits, policy, facts["platform"])
     dtype, dtype_why = plan_dtype(cpu, footprint, policy, budget["available_bytes"])
     wanted = cores["count_by_cores"] if policy.max_workers is None else min(cores["count_by_cores"], policy.max_workers)
-    fit = fit_worker(footprint, dtype, cpu, policy, budget["available_bytes"], wanted_workers=wanted)
+    fit = fit_worker(footprint, dtype, cpu, policy, budget, wanted_workers=wanted)
     per_worker, batch, context = fit.memory, fit.batch, fit.context
     by_memory = budget["available_bytes"] // per_worker["high_bytes"]
     workers = place_workers(cores["by_node"], policy, by_memory)

@@ -45,6 +45,9 @@ class Policy:
     memory_reserve_bytes: int | None = field(
         default=None, metadata={"help": "memory kept for the OS (default: max(1 GiB, 5 percent of memory))"}
     )
+    other_services_bytes: int = field(
+        default=0, metadata={"help": "memory the host's other services need, kept out of the workers' budget"}
+    )
     max_batch_size: int = field(default=4, metadata={"help": "sequences a worker decodes together"})
     max_context_tokens: int = field(
         default=4096, metadata={"help": "prompt plus output tokens per sequence, for the KV-cache budget"}
@@ -88,6 +91,8 @@ class Policy:
         ):
             if not is_int(getattr(self, name)) or not low <= getattr(self, name) <= high:
                 bad(name, "an integer from %d to %d" % (low, high))
+        if not is_int(self.other_services_bytes) or self.other_services_bytes < 0:
+            bad("other_services_bytes", "an integer >= 0")
         for name, low in (("max_workers", 1), ("housekeeping_cores", 0), ("memory_reserve_bytes", 0)):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < low):
