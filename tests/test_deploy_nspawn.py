@@ -81,6 +81,19 @@ def ask(host_vars, timeout=60):
     )
 
 
+def test_check_mode_on_a_host_never_tuned_changes_nothing(guest, workdir, host_vars):
+    """What an operator runs first: the audit, then site.yml --check, on a host that has never seen
+    the toolkit. Both pass, say what they would do, and leave the host as it was (no file under
+    /etc or /opt, so no unit, no user)."""
+    before = guest.tree_digest("/etc", "/opt")
+    audit(guest, workdir, **host_vars)
+    result = play(guest, workdir, "site.yml", check=True, **host_vars)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert recap(result)["changed"] > 0  # it says what it would do
+    assert "would enable and start" in result.stdout
+    assert guest.tree_digest("/etc", "/opt") == before
+
+
 def test_the_front_answers_a_question_about_an_image(deployed, host_vars):
     response = ask(host_vars)
     assert response.status_code == 200, response.text
@@ -114,6 +127,48 @@ def test_second_run_changes_nothing(guest, workdir, deployed, host_vars):
     result = play(guest, workdir, "site.yml", **host_vars)
     assert result.returncode == 0, result.stdout[-4000:]
     assert recap(result)["changed"] == 0, result.stdout[-6000:]
+
+
+def main_pids(guest, plan) -> dict[int, str]:
+    show = "systemctl show -p MainPID --value vlserve@%d.service"
+    return {worker["index"]: guest.ssh(show % worker["index"]).stdout.strip() for worker in plan["worker_list"]}
+
+
+def headroom(report) -> dict:
+    return next(row for row in report["knobs"] if row["knob"] == "memory_headroom")
+
+
+def test_a_neighbour_taking_memory_restarts_nothing_and_the_audit_names_it(guest, workdir, deployed, host_vars):
+    """The plan is sized from capacity: another process growing between two runs changes no file
+    and restarts no worker; the audit reports the pressure instead."""
+    report = audit(guest, workdir, **host_vars)
+    pids = main_pids(guest, report["plan"])
+    row = headroom(report)
+    # Enough to leave the workers 1 GiB less than the plan gives them, whatever the machine's size.
+    hog = row["current"]["free_for_workers_bytes"] - row["desired"]["workers_bytes"] + 2**30
+    assert 0 < hog < row["current"]["free_for_workers_bytes"]
+    guest.ssh(
+        "systemd-run --unit=vlserve-test-neighbour python3 -c \"import time; b = b'\\x01' * %d; time.sleep(900)\"" % hog
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the neighbour holds its memory
+            pid = guest.ssh("systemctl show -p MainPID --value vlserve-test-neighbour").stdout.strip()
+            held_kib = guest.ssh("ps -o rss= -p %s" % pid, check=False).stdout.strip()
+            if held_kib and int(held_kib) * 1024 >= hog:
+                break
+            time.sleep(1)
+        result = play(guest, workdir, "site.yml", **host_vars)
+        assert result.returncode == 0, result.stdout[-4000:]
+        assert recap(result)["changed"] == 0, result.stdout[-6000:]
+        assert main_pids(guest, report["plan"]) == pids
+        pressed = headroom(audit(guest, workdir, **host_vars))
+        assert pressed["status"] == "drift", pressed
+        assert "throttled or OOM-killed" in pressed["why"]
+        grown = pressed["current"]["other_processes_bytes"] - row["current"]["other_processes_bytes"]
+        assert grown >= hog * 0.8, (grown, hog)
+    finally:
+        guest.ssh("systemctl stop vlserve-test-neighbour", check=False)
 
 
 def test_check_mode_changes_nothing(guest, workdir, deployed, host_vars):
