@@ -32,4 +32,6 @@ class FilterModule:
             "vlserve_cpu_list": _load("sizing").format_cpu_list,
             # plan + the deploy role's options -> the unit templates' context
             "vlserve_units_context": _load("units").units_context,
+            # {name: value} -> one line per unknown setting or value a worker would refuse
+            "vlserve_settings_problems": lambda values, prefix="": _load("settings").settings_problems(values, prefix),
         }

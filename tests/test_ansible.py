@@ -116,3 +116,19 @@ def test_tuning_roles_take_their_paths_from_the_audit():
         text = path.read_text()
         for name, target in TUNING_FILES.items():
             assert target not in text, "%s writes %s itself; use vlserve_tuning_files.%s" % (path, target, name)
+
+
+def test_captured_facts_that_break_the_schema_fail_with_one_line():
+    facts = json.loads((TOPOLOGIES / "this-machine.json").read_text())
+    facts["cpu"]["physical_cores"] = -16
+    result = playbook("playbooks/audit.yml", "-e", json.dumps({"vlserve_facts_captured": facts}))
+    assert result.returncode == 2, result.stdout
+    assert "invalid vlserve_facts_captured facts: facts: cpu.physical_cores must be an integer >= 1, not -16" in (
+        result.stdout
+    )
+
+
+def test_unknown_deploy_settings_stop_the_audit_before_anything_else():
+    result = playbook("playbooks/audit.yml", "-e", json.dumps({"vlserve_deploy_settings": {"max_pixelz": 1}}))
+    assert result.returncode == 2, result.stdout
+    assert "vlserve_deploy_settings.max_pixelz is not a setting" in result.stdout

@@ -95,3 +95,44 @@ def test_render_units_writes_every_destination_once_from_the_plan(tmp_path):
     assert env.startswith("#\n# Managed by vlserve render-units")
     assert "VLSERVE_MEMORY_LIMIT_BYTES=%d\n" % worker["memory_guard_bytes"] in env
     assert "OMP_PLACES=%s\n" % worker["environment"]["OMP_PLACES"] in env
+
+
+def broken_facts(tmp_path, change) -> str:
+    facts = json.loads((TOPOLOGIES / "this-machine.json").read_text())
+    text = change(facts)
+    path = tmp_path / "facts.json"
+    path.write_text(text if isinstance(text, str) else json.dumps(facts))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda f: json.dumps(f)[:500], "is not valid JSON (truncated?)"),
+        (lambda f: f.pop("memory"), "facts: memory is missing"),
+        (lambda f: f["memory"].update(total_bytes="lots"), "memory.total_bytes must be an integer >= 1, not 'lots'"),
+        (lambda f: f["cpu"].update(physical_cores=-16), "cpu.physical_cores must be an integer >= 1, not -16"),
+        (lambda f: f["cpu"].update(topology=[]), "cpu.topology must hold at least 1 item(s)"),
+        (lambda f: f.update(schema="vlserve.facts/9"), "facts schema 'vlserve.facts/9' is not 'vlserve.facts/1'"),
+        (lambda f: "[1, 2]", "facts must be a JSON object, not list"),
+    ],
+    ids=["truncated", "missing-section", "string-for-number", "negative-count", "empty-topology", "schema", "list"],
+)
+def test_bad_facts_get_one_line_and_exit_2(tmp_path, change, message):
+    path = broken_facts(tmp_path, change)
+    for command in ("plan", "render-units"):
+        extra = ["--out", str(tmp_path / "out")] if command == "render-units" else []
+        result = vlserve(command, "--facts", path, *extra)
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        assert message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_exit_codes_tell_bad_input_from_a_host_too_small(tmp_path):
+    assert vlserve("plan", "--facts", str(TOPOLOGIES / "this-machine.json")).returncode == 0
+    assert vlserve("plan", "--facts", str(TOPOLOGIES / "wsl2-8cpu-6g.json")).returncode == 1
+    assert vlserve("plan", "--facts", str(tmp_path / "missing.json")).returncode == 2
+
+
+def test_the_published_facts_schema_is_the_one_the_planner_checks():
+    assert run_tool("python", "scripts/schemas", "--check").returncode == 0

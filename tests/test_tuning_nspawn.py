@@ -46,6 +46,9 @@ def workdir(tmp_path_factory):
         ("vlserve_facts_objective", "fastest", "vlserve_facts_objective"),
         ("vlserve_facts_allowed_cpus", "0-4095", "vlserve_facts_allowed_cpus has CPUs"),
         ("vlserve_openmp_allocator", "mimalloc", "vlserve_openmp_allocator"),
+        ("vlserve_deploy_settings", {"max_pixelz": 1}, "vlserve_deploy_settings.max_pixelz is not a setting"),
+        ("vlserve_deploy_settings", {"max_batch_size": 0}, "vlserve_deploy_settings.max_batch_size: Input should be"),
+        ("vlserve_facts_captured", {"schema": "vlserve.facts/1"}, "vlserve_facts_captured facts: facts: hostname"),
     ],
 )
 def test_bad_values_fail_before_any_change(guest, workdir, variable, value, message):

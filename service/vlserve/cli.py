@@ -53,11 +53,26 @@ def _policy_from_args(args: argparse.Namespace) -> sizing.Policy:
     return sizing.Policy.from_mapping({item.name: getattr(args, item.name) for item in fields(sizing.Policy)})
 
 
+class BadInput(Exception):
+    """Input the command cannot use (a facts file, a policy value): one line, exit status 2."""
+
+
 def _load_facts(path: str | None) -> dict:
+    """This host's facts, or those of a file, checked against the facts schema."""
     if not path:
         return sizing.probe()
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            facts = json.load(handle)
+    except OSError as error:
+        raise BadInput("cannot read %s: %s" % (path, error.strerror or error)) from None
+    except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError
+        raise BadInput("%s is not valid JSON (truncated?): %s" % (path, error)) from None
+    try:
+        sizing.check_facts(facts)
+    except sizing.FactsError as error:
+        raise BadInput("%s: %s" % (path, error)) from None
+    return facts
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -517,8 +532,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done, 1 the host cannot run one worker, 2 bad input (one line on stderr)."""
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except BadInput as error:
+        print("vlserve %s: %s" % (args.command, error), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -112,3 +112,24 @@ class Settings:
 
 
 SETTINGS_MODELS = (ServerSettings, ModelSettings, LimitSettings)
+
+
+def settings_problems(values: dict, name_prefix: str = "") -> list[str]:
+    """What is wrong with settings given by name (the deploy role's `vlserve_deploy_settings`): unknown
+    names and values a worker would refuse, one line each, so the play stops before any host changes."""
+    known = {name: model for model in SETTINGS_MODELS for name in model.model_fields}
+    if not isinstance(values, dict):
+        return ["%s must be a mapping of setting names to values" % name_prefix.rstrip(".")]
+    problems = [
+        "%s%s is not a setting (see vlserve serve --help)" % (name_prefix, name) for name in values if name not in known
+    ]
+    for model in SETTINGS_MODELS:
+        given = {name: value for name, value in values.items() if known.get(name) is model}
+        try:
+            model.model_validate(given)  # validates the values only: no environment is read
+        except ValueError as error:  # pydantic.ValidationError
+            problems += [
+                "%s%s: %s" % (name_prefix, ".".join(str(part) for part in item["loc"]) or "settings", item["msg"])
+                for item in error.errors()
+            ]
+    return problems

@@ -40,8 +40,10 @@ ansible_facts:
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.vlserve_audit import TUNING_FILES, audit, probe_tuning, render, runtime_drift, summary
 from ansible.module_utils.vlserve_sizing import (
+    FactsError,
     PlanError,
     Policy,
+    check_facts,
     check_policy_fits,
     plan,
     probe,
@@ -61,6 +63,11 @@ def main():
         supports_check_mode=True,
     )
     facts = module.params["facts"] or probe()
+    if module.params["facts"]:
+        try:
+            check_facts(facts)
+        except FactsError as error:
+            module.fail_json(msg="invalid %sfacts: %s" % (module.params["name_prefix"] + "captured ", error))
     try:
         policy = Policy.from_mapping(module.params["policy"], module.params["name_prefix"])
         check_policy_fits(facts["limits"], policy, module.params["name_prefix"])

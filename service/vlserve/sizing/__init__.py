@@ -16,6 +16,7 @@ The modules, in the order a plan is made:
   dtypes      the language model's dtype and the compute-bound phases'
   fitting     the memory budget and how one worker fits it
   knobs       the host's tuning knobs, one function each
+  facts_schema  the facts format (JSON Schema); validate checks facts against it
   planner     plan(): all of the above, a pure function of facts and policy
   render      tables for people, JSON for machines
 """
@@ -38,6 +39,7 @@ from .planner import plan
 from .policy import Policy, check_policy_fits
 from .probing import ISA_FLAGS, probe
 from .render import dumps, render_facts, render_plan
+from .validate import FactsError, check_facts
 
 __all__ = [
     "COMPUTE_BYTES",
@@ -51,9 +53,11 @@ __all__ = [
     "MIB",
     "MIN_CONTEXT_TOKENS",
     "PLAN_SCHEMA",
+    "FactsError",
     "ModelFootprint",
     "PlanError",
     "Policy",
+    "check_facts",
     "check_policy_fits",
     "default_threads",
     "dumps",

@@ -10,20 +10,20 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from .common import FACTS_SCHEMA, PLAN_SCHEMA, gib
+from .common import PLAN_SCHEMA, gib
 from .cores import place_workers, plan_cores
 from .dtypes import plan_dtype
 from .fitting import WorkerFit, fit_worker, plan_memory_budget
 from .footprints import FOOTPRINTS
 from .knobs import plan_knobs
 from .policy import Policy
+from .validate import check_facts
 
 
 def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
     """Size the service for a host. Raises PlanError when not even one worker fits."""
     policy = (policy or Policy()).validate()
-    if facts.get("schema") != FACTS_SCHEMA:
-        raise ValueError("facts schema %r is not %r" % (facts.get("schema"), FACTS_SCHEMA))
+    check_facts(facts)
     footprint = FOOTPRINTS[policy.model]
     cpu, limits, memory = facts["cpu"], facts["limits"], facts["memory"]
 
