@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+import vlserve.loader
 from conftest import run_tool
 from vlserve.engine import Engine, ImageInput
 from vlserve.errors import ContextLengthExceeded, RequestTimeout
@@ -336,6 +337,37 @@ def test_an_int8_engine_answers(tmp_path, dtype):
         sequence, sink = run(engine, CONVERSATIONS[0], tokens=6, ignore_eos=True)
         assert sequence.prompt.tokens >= INT8_PREFILL_ROWS and sequence.prompt.image_grid_thw is not None
         assert sink.error is None and len(sequence.generated) == 6
+    finally:
+        engine.shutdown()
+
+
+def test_without_x86_kernels_the_engine_falls_back_and_answers(tmp_path, monkeypatch):
+    """On a CPU without oneDNN's bf16 and int8 kernels (an Arm server), what asks for them loads the
+    plain path instead of crashing: the capability checks answer as such a CPU would."""
+    monkeypatch.setattr(vlserve.loader, "packing_supported", lambda dtype: False)
+    monkeypatch.setattr(vlserve.loader, "int8_products_supported", lambda: False)
+    directory = tmp_path / "tiny"
+    assert run_tool("vlserve", "make-test-model", str(directory), "--dtype", "bfloat16").returncode == 0
+    engine = Engine(
+        ModelSettings(
+            model=directory, dtype="bfloat16", packed_weights=True, vision_dtype="int8", prefill_dtype="int8"
+        ),
+        LimitSettings(max_batch_size=2, max_context_tokens=1024, request_timeout_s=30),
+    )
+    engine.load()
+    try:
+        engine.warmup()
+        engine.mark_ready()
+        assert (engine.dtype, engine.packed, engine.vision_dtype, engine.prefill_dtype) == (
+            "bfloat16",
+            False,
+            "float32",
+            "bfloat16",
+        )
+        assert not any(isinstance(m, Int8Linear) for m in engine.model.modules())
+        assert engine.background_steps_pending == 0
+        sequence, sink = run(engine, CONVERSATIONS[0], tokens=4, ignore_eos=True)
+        assert sink.error is None and len(sequence.generated) == 4
     finally:
         engine.shutdown()
 

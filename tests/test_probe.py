@@ -211,10 +211,26 @@ def test_tree_zram_and_swaps(tree):
     assert memory["zram"] == {
         "available": True,
         "devices": [{"name": "zram0", "disksize_bytes": 4 * sizing.GIB, "algorithm": "zstd"}],
+        "algorithms": ["lz4", "lzo", "lzo-rle", "zstd"],  # what the kernel offers, for the plan to choose from
     }
     assert memory["swaps"] == [
         {"name": "/dev/zram0", "type": "partition", "size_bytes": 4194300 * 1024, "priority": 100}
     ]
+
+
+def test_tree_arm_features_and_a_hyphenated_zram_algorithm(tree):
+    tree.cpus([[0], [1]])
+    tree.write(
+        "/proc/cpuinfo",
+        "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm "
+        "jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp "
+        "svei8mm svebf16 i8mm bf16 dgh rng\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n",
+    )
+    tree.write("/sys/block/zram0/comp_algorithm", "lzo [lzo-rle] lz4 zstd")
+    facts = sizing.probe(str(tree.root))
+    isa = facts["cpu"]["isa"]
+    assert isa["bf16"] and isa["i8mm"] and isa["sve"] and isa["asimddp"] and not isa["avx2"]
+    assert facts["memory"]["zram"]["devices"][0]["algorithm"] == "lzo-rle"
 
 
 def test_cpu_list_round_trip():

@@ -274,3 +274,52 @@ def test_footprint_matches_the_architecture_make_test_model_writes():
     vision = sum(p.numel() for p in model.model.visual.parameters())
     assert abs(footprint.parameters - total) <= total / 1000
     assert abs(footprint.vision_parameters - vision) <= vision / 1000
+
+
+def test_graviton3_bfloat16_from_arm_features_and_no_x86_only_paths():
+    result = sizing.plan(load_topology("graviton3-c7g-16"), sizing.Policy(quantize="int8"))
+    model = result["model"]
+    assert (model["dtype"], model["why"]) == (
+        "bfloat16",
+        "the CPU has Arm BF16 (bf16): half the memory traffic per token",
+    )
+    assert not model["packed_weights"] and "oneDNN's x86" in model["packed_why"]
+    # The int8 products are x86 kernels: asked for, they are not applied, and the plan says why.
+    assert model["vision_dtype"] == "float32" and "its int8 products are oneDNN's x86 kernels" in model["vision_why"]
+    assert model["prefill_dtype"] == "bfloat16"
+
+
+def test_ampere_altra_without_bf16_runs_float32_and_says_so_in_arm_terms():
+    result = sizing.plan(load_topology("ampere-altra-q80"))
+    assert result["model"]["dtype"] == "float32"
+    assert result["model"]["why"] == "no Arm BF16 (bf16): bfloat16 would be emulated"
+    assert result["knobs"]["cpu_governor"]["applies"]  # cppc_cpufreq offers performance
+
+
+def test_kernels_before_5_8_get_at_most_100_swappiness():
+    for name, release in (("ubuntu2004-kernel-5.4", "5.4"), ("rhel8-kernel-4.18", "4.18")):
+        knob = sizing.plan(load_topology(name))["knobs"]["swappiness"]
+        assert knob["value"] == 100, name
+        assert "100, the most Linux %s accepts (above 100 needs 5.8)" % release in knob["why"]
+    # An operator's value above 100 is capped the same way, and left alone on newer kernels.
+    assert (
+        sizing.plan(load_topology("rhel8-kernel-4.18"), sizing.Policy(swappiness=150))["knobs"]["swappiness"]["value"]
+        == 100
+    )
+    assert sizing.plan(load_topology("graviton3-c7g-16"))["knobs"]["swappiness"]["value"] == 180
+
+
+def test_zram_takes_an_algorithm_the_kernel_lists():
+    knob = sizing.plan(load_topology("rhel8-kernel-4.18"))["knobs"]["zram"]
+    assert knob["value"]["algorithm"] == "lz4" and "lz4, as this kernel's zram offers no zstd" in knob["why"]
+    facts = load_topology("rhel8-kernel-4.18")
+    facts["memory"]["zram"]["algorithms"] = ["842", "deflate"]
+    knob = sizing.plan(facts)["knobs"]["zram"]
+    assert not knob["applies"] and "offers none of zstd, lz4, lzo-rle, lzo" in knob["why"]
+
+
+def test_no_performance_governor_on_the_driver_leaves_cpufreq_alone():
+    facts = load_topology("xeon-e5-2680v4")
+    facts["cpufreq"]["available_governors"] = ["ondemand", "conservative"]
+    knobs = sizing.plan(facts)["knobs"]
+    assert not knobs["cpu_governor"]["applies"] and "offers no performance governor" in knobs["cpu_governor"]["why"]

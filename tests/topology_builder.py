@@ -12,7 +12,8 @@ import sys
 
 GIB = 1024**3
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "topologies"
-ISA_NAMES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "service"))
+from vlserve.sizing import ISA_FLAGS as ISA_NAMES  # noqa: E402 - the probe's own list
 
 
 def build_facts(
@@ -44,6 +45,9 @@ def build_facts(
     os_version="12",
     kernel="6.1.0-28-amd64",
     vendor="GenuineIntel",
+    arch="x86_64",
+    zram_algorithms=None,
+    sysctl_swappiness=60,
     description="",
 ):
     """Facts for a host laid out like Linux numbers CPUs: first thread of every core, then the
@@ -94,7 +98,7 @@ def build_facts(
         "description": description,
         "hostname": hostname,
         "cpu": {
-            "arch": "x86_64",
+            "arch": arch,
             "vendor": vendor,
             "model_name": model_name,
             "logical_cpus": len(cpus),
@@ -122,7 +126,7 @@ def build_facts(
             "available_bytes": int(available_gib * GIB),
             "swap_total_bytes": swap_total,
             "swaps": list(swaps),
-            "zram": {"available": zram, "devices": []},
+            "zram": {"available": zram, "devices": [], "algorithms": zram_algorithms},
         },
         "cpufreq": {
             "available": bool(cpufreq),
@@ -142,7 +146,7 @@ def build_facts(
             "init": init,
             "os": {"id": os_id, "version_id": os_version, "like": None, "pretty_name": "%s %s" % (os_id, os_version)},
         },
-        "sysctl": {"vm.swappiness": 60, "vm.page-cluster": 3},
+        "sysctl": {"vm.swappiness": sysctl_swappiness, "vm.page-cluster": 3},
         "sources": {"capture": "tests/topology_builder.py"},
     }
 
@@ -295,6 +299,84 @@ HOSTS = {
         kernel="6.1.0-28-cloud-amd64",
     ),
 }
+
+HOSTS.update(
+    {
+        "graviton3-c7g-16": dict(
+            description="AWS Graviton3 (c7g.4xlarge-like): 16 Neoverse-V1 cores, no SMT, 32 GiB, KVM, no cpufreq; "
+            "Features list bf16, i8mm, sve, asimddp",
+            hostname="ip-10-0-1-7",
+            model_name="Neoverse-V1",
+            vendor="ARM",
+            arch="aarch64",
+            sockets=1,
+            cores_per_socket=16,
+            threads_per_core=1,
+            isa=("asimddp", "bf16", "i8mm", "sve"),
+            total_gib=30.8,
+            available_gib=29.9,
+            kind="vm",
+            vm="amazon",
+            os_id="ubuntu",
+            os_version="24.04",
+            kernel="6.8.0-1018-aws",
+        ),
+        "ampere-altra-q80": dict(
+            description="Ampere Altra Q80-30: 80 Neoverse-N1 cores, one socket, 256 GiB, cppc_cpufreq; asimddp, "
+            "no bf16, no i8mm, no SVE",
+            hostname="altra",
+            model_name="Neoverse-N1",
+            vendor="ARM",
+            arch="aarch64",
+            sockets=1,
+            cores_per_socket=80,
+            threads_per_core=1,
+            isa=("asimddp",),
+            total_gib=250.0,
+            available_gib=243.0,
+            cpufreq="cppc_cpufreq",
+            os_id="rocky",
+            os_version="9.4",
+            kernel="5.14.0-427.el9.aarch64",
+        ),
+        "ubuntu2004-kernel-5.4": dict(
+            description="Ubuntu 20.04 VM on its 5.4 kernel: 4 vCPUs, 16 GiB, zram the only swap; swappiness above "
+            "100 is refused before Linux 5.8",
+            hostname="focal",
+            model_name="Intel(R) Xeon(R) Gold 6230 CPU @ 2.10GHz",
+            sockets=1,
+            cores_per_socket=2,
+            threads_per_core=2,
+            isa=("avx2", "avx512f", "avx512_vnni"),
+            total_gib=15.6,
+            available_gib=14.8,
+            swaps=({"name": "/dev/zram0", "type": "partition", "size_bytes": 4 * GIB, "priority": 100},),
+            zram_algorithms=["lz4", "lz4hc", "lzo", "lzo-rle", "zstd"],
+            kind="vm",
+            vm="kvm",
+            os_id="ubuntu",
+            os_version="20.04",
+            kernel="5.4.0-150-generic",
+        ),
+        "rhel8-kernel-4.18": dict(
+            description="RHEL 8 server on its 4.18 kernel: 16 cores / 32 threads, 64 GiB, no swap; its zram lists "
+            "lzo, lz4, lz4hc, 842 and deflate (no zstd)",
+            hostname="rhel8",
+            model_name="Intel(R) Xeon(R) Silver 4216 CPU @ 2.10GHz",
+            sockets=1,
+            cores_per_socket=16,
+            threads_per_core=2,
+            isa=("avx2", "avx512f", "avx512_vnni"),
+            total_gib=62.5,
+            available_gib=60.0,
+            zram_algorithms=["842", "deflate", "lz4", "lz4hc", "lzo"],
+            cpufreq="intel_pstate",
+            os_id="rhel",
+            os_version="8.9",
+            kernel="4.18.0-513.5.1.el8_9.x86_64",
+        ),
+    }
+)
 
 
 def write_fixtures() -> None:

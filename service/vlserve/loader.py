@@ -27,7 +27,7 @@ from vlserve.packing import (
     packing_supported,
     pending_prefill_copies,
 )
-from vlserve.quantized import add_int8_prompt_copies
+from vlserve.quantized import add_int8_prompt_copies, int8_products_supported
 from vlserve.settings import LimitSettings, ModelSettings
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,13 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, choices.dtype))
     network.eval()
     vision_dtype, prefill_dtype = choices.vision_dtype, choices.prefill_dtype
+    if "int8" in (vision_dtype, prefill_dtype) and not int8_products_supported():
+        log.warning("int8 products are not available on this CPU (oneDNN's x86 kernels): images and prompts in float32")
+        vision_dtype = "float32" if vision_dtype == "int8" else vision_dtype
+        prefill_dtype = "float32" if prefill_dtype == "int8" else prefill_dtype
     packed, prefill_copies, map_copies = False, [], []
+    if choices.packed and not packing_supported(network.dtype):
+        log.warning("packed %s weights are not available on this CPU: decoding from plain weights", choices.dtype)
     if choices.packed and packing_supported(network.dtype):
         status("packing weights for oneDNN")
         count = pack_language_model(

@@ -43,12 +43,13 @@ PREFILL_ROWS = 64  # from here on a float32 product beats the packed bf16 one (c
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
-    """Packed bf16 needs a oneDNN build with bf16 kernels for this CPU."""
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    """Packed bf16 needs a oneDNN build with bf16 kernels for this CPU (x86: AVX-512 BF16 or AMX)."""
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without the op (not x86)
+        return False
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,15 @@ INT8_MAX = 127
 INT8_PREFILL_ROWS = 16  # int8 overtakes the packed bf16 product from ~8 rows (2048x6144: 1.4 vs 2.4 ms at 16)
 
 
+def int8_products_supported() -> bool:
+    """Whether this torch build multiplies int8 matrices on this CPU (oneDNN's x86 kernels)."""
+    try:
+        torch._int_mm(torch.ones(32, 32, dtype=torch.int8), torch.ones(32, 32, dtype=torch.int8))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row: (values, float32 scales) with matrix ~= values * scales[:, None]."""
     wide = matrix.float()

@@ -13,14 +13,34 @@ from .footprints import ModelFootprint, worker_memory
 from .policy import Policy
 
 
+def is_arm(cpu: dict[str, Any]) -> bool:
+    return cpu.get("arch") in ("aarch64", "arm64")
+
+
+def bfloat16_feature(cpu: dict[str, Any]) -> str | None:
+    """The CPU feature that computes bfloat16 natively, by the architecture's own name, or None."""
+    isa = cpu["isa"]
+    if is_arm(cpu):
+        return "Arm BF16 (bf16)" if isa.get("bf16") else None
+    if isa.get("amx_bf16"):
+        return "AMX"
+    return "AVX-512 BF16" if isa.get("avx512_bf16") else None
+
+
 def native_bfloat16(cpu: dict[str, Any]) -> bool:
-    """Whether the CPU computes bfloat16 natively (AVX-512 BF16 or AMX), so bf16 is the faster dtype."""
-    return bool(cpu["isa"].get("avx512_bf16") or cpu["isa"].get("amx_bf16"))
+    """Whether the CPU computes bfloat16 natively (AVX-512 BF16, AMX, Arm BF16), so bf16 is the faster dtype."""
+    return bfloat16_feature(cpu) is not None
 
 
 def int8_products(cpu: dict[str, Any]) -> bool:
-    """Whether int8 matrix products are fast here (AVX-512 VNNI or AMX): ~4x float32's rate measured."""
-    return bool(cpu["isa"].get("avx512_vnni") or cpu["isa"].get("amx_int8"))
+    """Whether the service's int8 products are fast here: AVX-512 VNNI or AMX (~4x float32's rate
+    measured). They run on oneDNN's x86 kernels; Arm's i8mm is not used by them."""
+    return not is_arm(cpu) and bool(cpu["isa"].get("avx512_vnni") or cpu["isa"].get("amx_int8"))
+
+
+def packed_weights_supported(cpu: dict[str, Any]) -> bool:
+    """The service packs bfloat16 weights with oneDNN's x86 kernels (vlserve/packing.py)."""
+    return not is_arm(cpu)
 
 
 def plan_dtype(cpu: dict[str, Any], footprint: ModelFootprint, policy: Policy, available: int) -> tuple[str, str]:
@@ -28,11 +48,11 @@ def plan_dtype(cpu: dict[str, Any], footprint: ModelFootprint, policy: Policy, a
     if policy.dtype != "auto":
         return policy.dtype, "set by policy"
     if native_bfloat16(cpu):
-        which = "AMX" if cpu["isa"].get("amx_bf16") else "AVX-512 BF16"
-        return "bfloat16", "the CPU has %s: half the memory traffic per token" % which
+        return "bfloat16", "the CPU has %s: half the memory traffic per token" % bfloat16_feature(cpu)
+    lacking = "no Arm BF16 (bf16)" if is_arm(cpu) else "no AVX-512 BF16 or AMX"
     as_float32 = worker_memory(footprint, "float32", policy.max_batch_size, policy.max_context_tokens)
     if as_float32["high_bytes"] <= available:
-        return "float32", "no AVX-512 BF16 or AMX: bfloat16 would be emulated"
+        return "float32", "%s: bfloat16 would be emulated" % lacking
     return "bfloat16", (
         "no native bfloat16, but a float32 worker needs %s and %s is available: "
         "bfloat16 fits, at emulated speed" % (gib(as_float32["high_bytes"]), gib(available))
@@ -80,12 +100,16 @@ def _compute_dtype(cpu: dict[str, Any], dtype: str, quantize: str, *, work: str,
     """The fastest products for compute-bound `work`: int8 if asked and fast, bf16 with AMX, else float32."""
     if dtype == "float32":
         chosen = "float32", "as the language model"
-    elif cpu["isa"].get("amx_bf16"):
+    elif cpu["isa"].get("amx_bf16") and not is_arm(cpu):
         chosen = "bfloat16", "AMX: bfloat16 matrix products are the fast ones"
+    elif is_arm(cpu):
+        chosen = "float32", "as on x86 without AMX: bfloat16 matrix products on Arm are not measured faster here"
     else:
         chosen = "float32", float32_why
     if quantize != "int8":
         return chosen
+    if is_arm(cpu):
+        return chosen[0], chosen[1] + "; quantize=int8 not applied: its int8 products are oneDNN's x86 kernels"
     if not int8_products(cpu):
         return chosen[0], chosen[1] + "; quantize=int8 not applied: no AVX-512 VNNI or AMX (int8 would be slower)"
     return "int8", "quantize=int8: %s through dynamic int8 products (AVX-512 VNNI/AMX; numerics change)" % work

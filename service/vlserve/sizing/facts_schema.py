@@ -144,7 +144,15 @@ SCHEMA = {
                 "zram": {
                     "type": "object",
                     "required": ["available", "devices"],
-                    "properties": {"available": {"type": "boolean"}, "devices": {"type": "array"}},
+                    "properties": {
+                        "available": {"type": "boolean"},
+                        "devices": {"type": "array"},
+                        "algorithms": {
+                            "type": ["array", "null"],
+                            "items": {"type": "string"},
+                            "description": "Compression algorithms the kernel's zram offers (null: no device to ask).",
+                        },
+                    },
                 },
             },
         },

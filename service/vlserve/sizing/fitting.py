@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .common import GIB, PlanError, gib
-from .dtypes import plan_prefill_dtype, plan_vision_dtype
+from .dtypes import packed_weights_supported, plan_prefill_dtype, plan_vision_dtype
 from .footprints import MIN_CONTEXT_TOKENS, ModelFootprint, worker_memory
 from .policy import Policy
 
@@ -133,6 +133,8 @@ def fit_worker(
     packed = False
     if dtype != "bfloat16":
         packed_why = "not packed: packing applies to bfloat16 weights only"
+    elif not packed_weights_supported(cpu):
+        packed_why = "not packed: the packed kernels are oneDNN's x86 ones; %s decodes from plain weights" % cpu["arch"]
     elif affordable(packed=True):
         extras["packed"] = packed = True
         packed_why = "bfloat16: the language model's weights are packed for oneDNN at load (faster decode)"

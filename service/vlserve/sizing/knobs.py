@@ -8,6 +8,7 @@ for when the image boots on a real host) but cannot make it take effect here.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from .common import GIB, MIB
@@ -36,6 +37,17 @@ def plan_knobs(facts: dict[str, Any], policy: Policy, cores: dict[str, Any], mem
     return knobs
 
 
+def kernel_version(facts: dict[str, Any]) -> tuple[int, int] | None:
+    """(major, minor) of the running kernel ("5.4.0-150-generic" -> (5, 4)); None if unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", facts["platform"]["kernel"] or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+# Swappiness above 100 (up to 200) is accepted from Linux 5.8 on; older kernels reject the write.
+SWAPPINESS_ABOVE_100_SINCE = (5, 8)
+ZRAM_ALGORITHMS = ("zstd", "lz4", "lzo-rle", "lzo")  # in order of preference
+
+
 def _container(facts: dict[str, Any]) -> bool:
     return facts["platform"]["kind"] == "container"
 
@@ -51,6 +63,13 @@ def _disk_swaps(facts: dict[str, Any]) -> list[dict[str, Any]]:
 def cpu_frequency_knobs(facts: dict[str, Any]) -> dict[str, Any]:
     """cpu_governor and energy_performance_preference: performance, where cpufreq is ours to set."""
     platform, cpufreq = facts["platform"], facts["cpufreq"]
+    listed = cpufreq["available_governors"]
+    if cpufreq["available"] and not _container(facts) and listed and "performance" not in listed:
+        why = "the %s driver offers no performance governor (it lists %s)" % (cpufreq["driver"], ", ".join(listed))
+        return {
+            "cpu_governor": knob("performance", False, why),
+            "energy_performance_preference": knob("performance", False, why),
+        }
     if cpufreq["available"] and not _container(facts):
         has_epp = "performance" in cpufreq["available_energy_performance_preferences"]
         return {
@@ -87,8 +106,24 @@ def zram_knob(facts: dict[str, Any], policy: Policy) -> dict[str, Any]:
         why = "zram swap is set up by systemd units, and this host's init is %s" % platform["init"]
     else:
         why = "compressed swap in RAM absorbs bursts of the housekeeping side; the model never relies on it"
+    algorithm = policy.zram_algorithm
+    offered = memory["zram"].get("algorithms")
+    if offered and algorithm not in offered:
+        fallback = next((name for name in ZRAM_ALGORITHMS if name in offered), None)
+        if fallback is None:
+            applies, why = (
+                False,
+                "this kernel's zram offers none of %s (it lists %s)"
+                % (
+                    ", ".join(ZRAM_ALGORITHMS),
+                    ", ".join(offered),
+                ),
+            )
+        else:
+            why += "; %s, as this kernel's zram offers no %s" % (fallback, algorithm)
+            algorithm = fallback
     size = min(int(memory["total_bytes"] * policy.zram_fraction), policy.zram_max_bytes)
-    return knob({"size_bytes": size // MIB * MIB, "algorithm": policy.zram_algorithm, "priority": 100}, applies, why)
+    return knob({"size_bytes": size // MIB * MIB, "algorithm": algorithm, "priority": 100}, applies, why)
 
 
 def _in_container_suffix(facts: dict[str, Any]) -> str:
@@ -110,6 +145,9 @@ def swappiness_knob(facts: dict[str, Any], policy: Policy, zram_only: bool) -> d
         why = "swap on a disk: keep anonymous memory (the model's weights) in RAM, reclaim page cache first"
     else:
         value, why = 10, "no swap here: 10 keeps the model's weights resident should a disk swap be added"
+    version = kernel_version(facts)
+    if value > 100 and version is not None and version < SWAPPINESS_ABOVE_100_SINCE:
+        value, why = 100, why + "; 100, the most Linux %d.%d accepts (above 100 needs 5.8)" % version
     return knob(value, not _container(facts), why + _in_container_suffix(facts), configure=True)
 
 

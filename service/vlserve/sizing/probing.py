@@ -24,8 +24,21 @@ try:  # Optional: present in the venv, absent on a never-provisioned host.
 except ImportError:  # pragma: no cover - exercised on bare targets
     psutil = None
 
-# ISA features the planner cares about, by their /proc/cpuinfo names.
-ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
+# ISA features the planner cares about, by their /proc/cpuinfo names: x86 flags, then aarch64
+# Features (dot product, BF16, int8 matrix multiply, SVE).
+ISA_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_tile",
+    "amx_int8",
+    "asimddp",
+    "bf16",
+    "i8mm",
+    "sve",
+)
 
 
 class _Tree:
@@ -344,9 +357,11 @@ def _probe_memory(tree: _Tree, libraries: bool, sources: dict[str, str]) -> dict
             swaps.append(
                 {"name": parts[0], "type": parts[1], "size_bytes": int(parts[2]) * 1024, "priority": int(parts[4])}
             )
-    zram_devices = []
+    zram_devices, algorithms = [], None
     for path in tree.glob("/sys/block/zram[0-9]*"):
-        algorithm = re.search(r"\[(\w+)\]", tree.read(path + "/comp_algorithm") or "")
+        listed = tree.read(path + "/comp_algorithm") or ""  # "lzo lzo-rle lz4 [zstd]": the kernel's choices
+        algorithm = re.search(r"\[([\w-]+)\]", listed)
+        algorithms = algorithms or sorted(word.strip("[]") for word in listed.split()) or None
         zram_devices.append(
             {
                 "name": os.path.basename(path),
@@ -366,7 +381,7 @@ def _probe_memory(tree: _Tree, libraries: bool, sources: dict[str, str]) -> dict
         "available_bytes": available,
         "swap_total_bytes": swap_total,
         "swaps": swaps,
-        "zram": {"available": zram_module, "devices": zram_devices},
+        "zram": {"available": zram_module, "devices": zram_devices, "algorithms": algorithms},
     }
 
 
