@@ -17,6 +17,7 @@ import re
 import pytest
 
 from harness import nspawn
+from harness.host import RELEASES
 from harness.playbooks import audit, play, recap
 
 REASON = nspawn.available()
@@ -27,9 +28,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 ETC = ("/etc",)
 
 
-@pytest.fixture(scope="module")
-def guest():
-    with nspawn.NspawnHost() as host:
+@pytest.fixture(scope="module", params=RELEASES)
+def guest(request):
+    """A fresh container of each Debian release the roles support (12 and 13), one after the other."""
+    with nspawn.NspawnHost(release=request.param) as host:
         yield host
 
 

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from harness import qemu
+from harness.host import RELEASES
 from harness.playbooks import audit, play, recap
 
 REASON = qemu.available()
@@ -24,9 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 HOST_VARS = {"vlserve_facts_housekeeping_cores": 1, "vlserve_cpu_isolation_confine_system": True}
 
 
-@pytest.fixture(scope="module")
-def vm():
-    with qemu.QemuHost(memory_mib=8192, cpus=2) as host:
+@pytest.fixture(scope="module", params=RELEASES)
+def vm(request):
+    """A VM of each Debian release the roles support (12 and 13), one after the other."""
+    with qemu.QemuHost(memory_mib=8192, cpus=2, release=request.param) as host:
         yield host
 
 

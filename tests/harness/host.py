@@ -10,7 +10,14 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 CACHE = pathlib.Path(os.environ.get("VLSERVE_HARNESS_DIR", "/var/tmp/vlserve-harness"))
-KEY = CACHE / "bookworm.key"  # root's key, authorized in the rootfs by build-rootfs
+RELEASES = ("bookworm", "trixie")  # Debian 12 and 13: the tuning tiers boot both
+
+
+def key_for(release: str) -> pathlib.Path:
+    """Root's SSH key for hosts of a release, authorized in its tree by build-rootfs."""
+    return CACHE / (release + ".key")
+
+
 SSH_OPTIONS = [
     "-o",
     "StrictHostKeyChecking=no",
@@ -30,6 +37,8 @@ class SshHost:
 
     port: int
     console: pathlib.Path
+    key: pathlib.Path
+    address: str = "127.0.0.1"
 
     def alive(self) -> bool:
         raise NotImplementedError
@@ -48,7 +57,7 @@ class SshHost:
 
     def ssh(self, command: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(
-            ["ssh", "-i", str(KEY), "-p", str(self.port), *SSH_OPTIONS, "root@127.0.0.1", command],
+            ["ssh", "-i", str(self.key), "-p", str(self.port), *SSH_OPTIONS, "root@" + self.address, command],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -59,7 +68,7 @@ class SshHost:
         return result
 
     def inventory(self, directory: pathlib.Path, **host_vars) -> pathlib.Path:
-        return write_inventory(directory, self.port, **host_vars)
+        return write_inventory(directory, self, **host_vars)
 
     def tree_digest(self, *paths: str) -> str:
         """One line per file under the paths: path, mode, size and sha256; compare two to see any change."""
@@ -68,13 +77,13 @@ class SshHost:
         return self.ssh(command).stdout
 
 
-def write_inventory(directory: pathlib.Path, port: int, **host_vars) -> pathlib.Path:
-    """An inventory that reaches a harness host on a loopback port as `guest`, with extra host variables."""
+def write_inventory(directory: pathlib.Path, host: SshHost, **host_vars) -> pathlib.Path:
+    """An inventory that reaches a harness host on its loopback address as `guest`, with extra host variables."""
     values = {
-        "ansible_host": "127.0.0.1",
-        "ansible_port": port,
+        "ansible_host": host.address,
+        "ansible_port": host.port,
         "ansible_user": "root",
-        "ansible_ssh_private_key_file": str(KEY),
+        "ansible_ssh_private_key_file": str(host.key),
         "ansible_ssh_common_args": " ".join(SSH_OPTIONS),
         "ansible_python_interpreter": "/usr/bin/python3",
         **host_vars,

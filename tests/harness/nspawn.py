@@ -14,9 +14,8 @@ import shutil
 import signal
 import subprocess
 
-from harness.host import CACHE, REPO, SshHost
+from harness.host import CACHE, REPO, SshHost, key_for
 
-ROOTFS = CACHE / "bookworm"
 SSH_PORT = 2222  # fixed in the rootfs: one container at a time
 CGROUP_DIRS = [
     pathlib.Path("/sys/fs/cgroup/unified/vlserve-harness"),
@@ -24,19 +23,21 @@ CGROUP_DIRS = [
 ]
 
 
-def ensure_rootfs(rebuild: bool = False) -> pathlib.Path:
-    """Build the rootfs once per machine (about a minute); CI machines start without it."""
-    marker = ROOTFS / "etc" / "ssh" / "sshd_config.d" / "vlserve-harness.conf"
+def ensure_rootfs(release: str = "bookworm", rebuild: bool = False) -> pathlib.Path:
+    """Build a release's rootfs once per machine (about a minute); CI machines start without it."""
+    rootfs = CACHE / release
+    marker = rootfs / "etc" / "ssh" / "sshd_config.d" / "vlserve-harness.conf"
     if rebuild or not marker.exists():
-        subprocess.run([str(REPO / "tests" / "harness" / "build-rootfs"), str(ROOTFS)], check=True)
-    return ROOTFS
+        subprocess.run([str(REPO / "tests" / "harness" / "build-rootfs"), str(rootfs), release], check=True)
+    return rootfs
 
 
 class NspawnHost(SshHost):
     """`with NspawnHost() as host:` boots a throwaway copy of the rootfs (`-x`) and powers it off after."""
 
-    def __init__(self, name: str = "vlserve-guest"):
-        self.name = name
+    def __init__(self, name: str = "vlserve-guest", release: str = "bookworm"):
+        self.name, self.release = name, release
+        self.key = key_for(release)
         self.port = SSH_PORT
         self.process: subprocess.Popen | None = None
         self.console = CACHE / ("%s.console.log" % name)
@@ -44,7 +45,7 @@ class NspawnHost(SshHost):
     # -- lifecycle ----------------------------------------------------------------------------
 
     def __enter__(self) -> NspawnHost:
-        ensure_rootfs()
+        rootfs = ensure_rootfs(self.release)
         for directory in CGROUP_DIRS:
             if directory.parent.is_dir():
                 directory.mkdir(exist_ok=True)
@@ -53,7 +54,7 @@ class NspawnHost(SshHost):
             "systemd-nspawn",
             "-q",
             "-D",
-            str(ROOTFS),
+            str(rootfs),
             "-M",
             self.name,
             "-b",

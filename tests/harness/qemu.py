@@ -16,18 +16,18 @@ import subprocess
 import time
 
 from harness import nspawn
-from harness.host import SshHost
-
-IMAGE_DIR = nspawn.CACHE / "vm"
+from harness.host import SshHost, key_for
 
 
-def ensure_image(rebuild: bool = False) -> pathlib.Path:
-    rootfs = nspawn.ensure_rootfs()
-    if rebuild or not (IMAGE_DIR / "disk.img").exists():
+def ensure_image(release: str = "bookworm", rebuild: bool = False) -> pathlib.Path:
+    """A release's VM image (kernel, initrd, disk), built from its rootfs once per machine."""
+    rootfs = nspawn.ensure_rootfs(release)
+    image_dir = nspawn.CACHE / ("vm-" + release)
+    if rebuild or not (image_dir / "disk.img").exists():
         subprocess.run(
-            [str(nspawn.REPO / "tests" / "harness" / "build-vm-image"), str(rootfs), str(IMAGE_DIR)], check=True
+            [str(nspawn.REPO / "tests" / "harness" / "build-vm-image"), str(rootfs), str(image_dir)], check=True
         )
-    return IMAGE_DIR
+    return image_dir
 
 
 def _free_port() -> int:
@@ -39,14 +39,15 @@ def _free_port() -> int:
 class QemuHost(SshHost):
     """`with QemuHost() as vm:` boots a throwaway overlay of the image and powers it off after."""
 
-    def __init__(self, memory_mib: int = 8192, cpus: int = 2):
-        self.memory_mib, self.cpus = memory_mib, cpus
+    def __init__(self, memory_mib: int = 8192, cpus: int = 2, release: str = "bookworm"):
+        self.memory_mib, self.cpus, self.release = memory_mib, cpus, release
+        self.key = key_for(release)
         self.port = _free_port()
         self.workdir: pathlib.Path | None = None
         self.pid: int | None = None
 
     def __enter__(self) -> QemuHost:
-        image = ensure_image()
+        image = ensure_image(self.release)
         self.workdir = pathlib.Path(
             subprocess.run(
                 ["mktemp", "-d", "/var/tmp/vlserve-vm.XXXXXX"], capture_output=True, text=True, check=True
