@@ -71,15 +71,27 @@ def etc_state():
     return state
 
 
-def test_audit_on_localhost_shows_the_plan_and_changes_nothing():
+def test_audit_on_localhost_shows_the_plan_and_changes_nothing(tmp_path):
     before = etc_state()
-    result = playbook("playbooks/audit.yml")
+    result = playbook("playbooks/audit.yml", "-e", "audit_report_dir=%s" % tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "changed=0" in result.stdout and "failed=0" in result.stdout
     plan = json.loads(run_tool("vlserve", "plan", "--json").stdout)
     assert "worker 0" in result.stdout
     assert "%d  (" % plan["workers"]["count"] in result.stdout  # the same planner on both paths
     assert etc_state() == before
+    # The fleet's summary: one host here, its plan in one line, its drift, whether it serves.
+    fleet = json.loads((tmp_path / "fleet.json").read_text())
+    assert fleet["schema"] == "vlserve.fleet-audit/1" and fleet["totals"]["hosts"] == 1
+    (host,) = fleet["hosts"]
+    report = json.loads((tmp_path / "localhost.json").read_text())
+    assert host["host"] == "localhost" and host["drift"] == report["summary"]["drift"]
+    assert host["plan"] == "%d x %s threads, %s" % (
+        plan["workers"]["count"],
+        "/".join(str(t) for t in plan["workers"]["threads"]),
+        plan["model"]["dtype"],
+    )
+    assert "1 host(s): " in result.stdout
 
 
 def test_audit_refuses_to_run_without_check():

@@ -136,3 +136,32 @@ def test_exit_codes_tell_bad_input_from_a_host_too_small(tmp_path):
 
 def test_the_published_facts_schema_is_the_one_the_planner_checks():
     assert run_tool("python", "scripts/schemas", "--check").returncode == 0
+
+
+def test_render_fleet_writes_the_fleet_front_from_the_same_templates(tmp_path):
+    result = vlserve(
+        "render-fleet", "--out", str(tmp_path), "--backend", "a=127.0.1.1:8100:2", "--backend", "b=127.0.1.2:8101"
+    )
+    assert result.returncode == 0, result.stderr
+    written = {"/" + str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    expected = set(units.FLEET_FILES.values()) | {units.ERROR_PAGE_FILE.format(status=s) for s in units.ERROR_PAGES}
+    assert written == expected
+    config = (tmp_path / units.FLEET_FILES["fleet-haproxy.cfg.j2"].lstrip("/")).read_text()
+    assert "balance leastconn" in config and "option httpchk GET /readyz" in config
+    assert "server a 127.0.1.1:8100 weight 2 check" in config and "server b 127.0.1.2:8101 weight 1 check" in config
+    assert "stats socket %s mode 600 level admin" % units.FLEET_SOCKET in config
+    assert "backend %s" % units.FLEET_BACKEND in config
+    assert vlserve("render-fleet", "--out", str(tmp_path), "--backend", "a=nowhere").returncode == 2
+
+
+def test_fleet_backends_come_from_the_inventory_and_the_plans():
+    hostvars = {
+        "one": {"ansible_host": "10.0.0.1", "vlserve_plan": {"workers": {"count": 3}}},
+        "two": {"vlserve_deploy_front_bind": "127.0.1.2", "vlserve_deploy_front_port": 8200},
+        "three": {"vlserve_fleet_address": "lb-side.example", "vlserve_plan": {"workers": {"count": 999}}},
+    }
+    assert units.fleet_backends(["one", "two", "three"], hostvars) == [
+        {"name": "one", "address": "10.0.0.1", "port": 8100, "weight": 3},
+        {"name": "two", "address": "127.0.1.2", "port": 8200, "weight": 1},
+        {"name": "three", "address": "lb-side.example", "port": 8100, "weight": 256},
+    ]

@@ -280,3 +280,55 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, int]:
     for row in rows:
         counts[row["status"]] += 1
     return counts
+
+
+FLEET_SCHEMA = "vlserve.fleet-audit/1"
+
+
+def fleet_summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fleet's audit from each host's report: its plan in one line, its drift and whether it serves."""
+    hosts = []
+    for report in sorted(reports, key=lambda r: r["host"]):
+        plan = report.get("plan")
+        shape = None
+        if plan:
+            threads = "/".join(str(t) for t in plan["workers"]["threads"])
+            shape = "%d x %s threads, %s" % (plan["workers"]["count"], threads, plan["model"]["dtype"])
+        hosts.append(
+            {
+                "host": report["host"],
+                "plan": shape,
+                "plan_error": report.get("plan_error"),
+                "drift": (report.get("summary") or {}).get("drift"),
+                "drifting": [row["knob"] for row in report.get("knobs", []) if row["status"] == "drift"],
+                "serving": report.get("serving"),
+            }
+        )
+    return {
+        "schema": FLEET_SCHEMA,
+        "hosts": hosts,
+        "totals": {
+            "hosts": len(hosts),
+            "serving": sum(1 for h in hosts if h["serving"] == "ready"),
+            "drifting": sum(1 for h in hosts if h["drift"]),
+            "without_plan": sum(1 for h in hosts if h["plan"] is None),
+        },
+    }
+
+
+def render_fleet(summary: dict[str, Any]) -> str:
+    """The fleet summary as a table: host, plan, drift, serving."""
+    rows = [("host", "plan", "drift", "serving")]
+    for host in summary["hosts"]:
+        drift = "-" if host["drift"] is None else str(host["drift"])
+        if host["drifting"]:
+            drift += " (%s)" % ", ".join(host["drifting"])
+        rows.append((host["host"], host["plan"] or "no plan: %s" % host["plan_error"], drift, host["serving"] or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3] for row in rows]
+    totals = summary["totals"]
+    lines.append(
+        "%d host(s): %d serving, %d drifting, %d without a plan"
+        % (totals["hosts"], totals["serving"], totals["drifting"], totals["without_plan"])
+    )
+    return "\n".join(lines)

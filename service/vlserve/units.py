@@ -28,6 +28,13 @@ WORKER_FILES = {
     "worker.conf.j2": UNIT_DIR + "/vlserve@{index}.service.d/50-plan.conf",
 }
 ERROR_PAGE_FILE = CONFIG_DIR + "/errors/{status}.http"
+# A fleet front (inventory group vlserve_front): one HAProxy over every service host's front.
+FLEET_FILES = {
+    "fleet-haproxy.cfg.j2": CONFIG_DIR + "/fleet-haproxy.cfg",
+    "vlserve-fleet.service.j2": UNIT_DIR + "/vlserve-fleet.service",
+}
+FLEET_BACKEND = "vlserve_fleet"  # the backend whose servers the rollout drains and enables, one per host
+FLEET_SOCKET = "/run/vlserve-fleet/admin.sock"  # HAProxy's runtime API, level admin
 # The front's own error pages: raw HTTP responses in the service's error shape.
 ERROR_PAGES = {
     400: ("Bad Request", "the request is malformed", "invalid_request_error", "bad_request"),
@@ -81,24 +88,74 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
             dict(worker, files={name: path.format(index=worker["index"]) for name, path in WORKER_FILES.items()})
             for worker in plan["worker_list"]
         ],
+        "worker_bind": options.get("worker_bind", "127.0.0.1"),
+        "fleet": {"backend": FLEET_BACKEND, "socket": FLEET_SOCKET},  # where a fleet front drains this host
         "front": {
             "port": int(options["front_port"]),
             "bind": options["front_bind"],
+            # Where this host reaches its own front (checks, the play's test question).
+            "local_address": "127.0.0.1" if options["front_bind"] in ("0.0.0.0", "::") else options["front_bind"],
             "api_key": options.get("api_key") or "",
             "max_upload_bytes": int(options["max_upload_bytes"]),
             "timeout_s": int(options["request_timeout_s"]) + 30,
         },
-        "error_pages": [
+        "error_pages": _error_pages(),
+    }
+
+
+def _error_pages() -> list[dict[str, Any]]:
+    return [
+        {
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "type": kind,
+            "code": code,
+            "file": ERROR_PAGE_FILE.format(status=status),
+        }
+        for status, (reason, message, kind, code) in ERROR_PAGES.items()
+    ]
+
+
+def fleet_backends(hosts: list[str], hostvars: Any) -> list[dict[str, Any]]:
+    """One server per service host, from the inventory: where its front listens, and a weight of its
+    worker count (its plan's, from this run's vlserve_facts) so least-connections sees its capacity."""
+    backends = []
+    for name in hosts:
+        host = hostvars[name]
+        bind = host.get("vlserve_deploy_front_bind", "0.0.0.0")
+        plan = host.get("vlserve_plan") or {}
+        backends.append(
             {
-                "status": status,
-                "reason": reason,
-                "message": message,
-                "type": kind,
-                "code": code,
-                "file": ERROR_PAGE_FILE.format(status=status),
+                "name": name,
+                "address": host.get("vlserve_fleet_address")
+                or (bind if bind not in ("0.0.0.0", "::") else host.get("ansible_host", name)),
+                "port": int(host.get("vlserve_deploy_front_port", 8100)),
+                "weight": max(1, min(256, int((plan.get("workers") or {}).get("count", 1)))),
             }
-            for status, (reason, message, kind, code) in ERROR_PAGES.items()
-        ],
+        )
+    return backends
+
+
+def fleet_context(backends: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
+    """The `vlserve_fleet` variable of the fleet front's templates. `options`: the vlserve_front role's
+    variables without their prefix (port, bind, api_key, max_upload_bytes, request_timeout_s,
+    check_interval_s)."""
+    return {
+        "config_dir": CONFIG_DIR,
+        "files": FLEET_FILES,
+        "backend": FLEET_BACKEND,
+        "socket": FLEET_SOCKET,
+        "backends": backends,
+        "front": {
+            "port": int(options["port"]),
+            "bind": options["bind"],
+            "api_key": options.get("api_key") or "",
+            "max_upload_bytes": int(options["max_upload_bytes"]),
+            "timeout_s": int(options["request_timeout_s"]) + 30,
+            "check_interval_s": int(options["check_interval_s"]),
+        },
+        "error_pages": _error_pages(),
     }
 
 
@@ -118,8 +175,8 @@ def comment(text: str) -> str:
     return "#\n" + "\n".join(("# " + line).rstrip() for line in text.splitlines()) + "\n#"
 
 
-def render_all(templates: pathlib.Path, context: dict[str, Any], managed: str) -> dict[str, str]:
-    """Every file of the deployment, path -> text, rendered from the templates with Jinja2."""
+def _environment(templates: pathlib.Path):
+    """Jinja2 as Ansible's template module runs it here: strict, trailing newlines kept, blocks trimmed."""
     import jinja2  # noqa: PLC0415
 
     from vlserve.sizing import format_cpu_list  # noqa: PLC0415
@@ -131,6 +188,27 @@ def render_all(templates: pathlib.Path, context: dict[str, Any], managed: str) -
         trim_blocks=True,
     )
     environment.filters.update(vlserve_cpu_list=format_cpu_list, comment=comment)
+    return environment
+
+
+def _error_files(environment, base: dict[str, Any], pages: list[dict[str, Any]]) -> dict[str, str]:
+    return {
+        page["file"]: environment.get_template("error.http.j2").render(dict(base, page=page)).replace("\n", "\r\n")
+        for page in pages
+    }
+
+
+def render_fleet(templates: pathlib.Path, context: dict[str, Any], managed: str) -> dict[str, str]:
+    """Every file of a fleet front, path -> text, from the same templates the vlserve_front role renders."""
+    environment = _environment(templates)
+    base = {"vlserve_fleet": context, "ansible_managed": managed}
+    files = {path: environment.get_template(name).render(base) for name, path in context["files"].items()}
+    return files | _error_files(environment, base, context["error_pages"])
+
+
+def render_all(templates: pathlib.Path, context: dict[str, Any], managed: str) -> dict[str, str]:
+    """Every file of the deployment, path -> text, rendered from the templates with Jinja2."""
+    environment = _environment(templates)
     base = {"vlserve_units": context, "ansible_managed": managed}
     files = {}
     for name, destination in {**UNIT_FILES, **CONFIG_FILES}.items():
@@ -138,7 +216,4 @@ def render_all(templates: pathlib.Path, context: dict[str, Any], managed: str) -
     for worker in context["workers"]:
         for name, destination in worker["files"].items():
             files[destination] = environment.get_template(name).render(dict(base, worker=worker))
-    for page in context["error_pages"]:
-        text = environment.get_template("error.http.j2").render(dict(base, page=page))
-        files[page["file"]] = text.replace("\n", "\r\n")
-    return files
+    return files | _error_files(environment, base, context["error_pages"])
