@@ -56,6 +56,19 @@ def run_tool(tool: str, *args: str, timeout: float = 300) -> subprocess.Complete
 
 
 @pytest.fixture(scope="session")
+def torch_wheel(tmp_path_factory) -> str:
+    """The CPU torch wheel as pip on this machine finds it: the deploy role installs it on test hosts."""
+    target = tmp_path_factory.mktemp("wheels")
+    pin = next(
+        line for line in (REPO / "service" / "requirements.txt").read_text().splitlines() if line.startswith("torch==")
+    )
+    subprocess.run(
+        [str(VENV_BIN / "pip"), "download", "-q", "--no-deps", "-d", str(target), pin], check=True, timeout=600
+    )
+    return str(next(target.glob("torch-*.whl")))
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> pathlib.Path:
     """A tiny random-weight Qwen3-VL checkpoint, made by the CLI as a user would make it."""
     directory = tmp_path_factory.mktemp("models") / "tiny"

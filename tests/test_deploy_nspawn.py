@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import threading
 import time
 
 import httpx
 import pytest
 
-from conftest import VENV_BIN, free_port
+from conftest import free_port
 from harness import nspawn
 from harness.playbooks import audit, play, recap
 from sample_images import image_question, png_bytes
@@ -30,18 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("deploy")
-
-
-@pytest.fixture(scope="module")
-def torch_wheel(workdir):
-    """The CPU torch wheel as pip on this machine finds it (the deploy role installs from it)."""
-    target = workdir / "wheels"
-    subprocess.run(
-        [str(VENV_BIN / "pip"), "download", "-q", "--no-deps", "-d", str(target), "torch==2.13.0"],
-        check=True,
-        timeout=600,
-    )
-    return str(next(target.glob("torch-*.whl")))
 
 
 @pytest.fixture(scope="module")

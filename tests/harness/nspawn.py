@@ -16,11 +16,8 @@ import subprocess
 
 from harness.host import CACHE, REPO, SshHost, key_for
 
-SSH_PORT = 2222  # fixed in the rootfs: one container at a time
-CGROUP_DIRS = [
-    pathlib.Path("/sys/fs/cgroup/unified/vlserve-harness"),
-    pathlib.Path("/sys/fs/cgroup/systemd/vlserve-harness"),
-]
+SSH_PORT = 2222  # the rootfs's own sshd: 127.0.0.1:2222, for one container at a time
+CGROUP_PARENTS = [pathlib.Path("/sys/fs/cgroup/unified"), pathlib.Path("/sys/fs/cgroup/systemd")]
 
 
 def ensure_rootfs(release: str = "bookworm", rebuild: bool = False) -> pathlib.Path:
@@ -35,10 +32,13 @@ def ensure_rootfs(release: str = "bookworm", rebuild: bool = False) -> pathlib.P
 class NspawnHost(SshHost):
     """`with NspawnHost() as host:` boots a throwaway copy of the rootfs (`-x`) and powers it off after."""
 
-    def __init__(self, name: str = "vlserve-guest", release: str = "bookworm"):
-        self.name, self.release = name, release
+    def __init__(self, name: str = "vlserve-guest", release: str = "bookworm", address: str = "127.0.0.1"):
+        """`address`: a loopback address of its own (127.0.1.N) for hosts that run side by side: sshd
+        listens there on port 22, and the tests bind the host's services there too."""
+        self.name, self.release, self.address = name, release, address
         self.key = key_for(release)
-        self.port = SSH_PORT
+        self.port = SSH_PORT if address == "127.0.0.1" else 22
+        self.cgroup_dirs = [parent / ("vlserve-harness-" + name) for parent in CGROUP_PARENTS]
         self.process: subprocess.Popen | None = None
         self.console = CACHE / ("%s.console.log" % name)
 
@@ -46,7 +46,7 @@ class NspawnHost(SshHost):
 
     def __enter__(self) -> NspawnHost:
         rootfs = ensure_rootfs(self.release)
-        for directory in CGROUP_DIRS:
+        for directory in self.cgroup_dirs:
             if directory.parent.is_dir():
                 directory.mkdir(exist_ok=True)
         env = dict(os.environ, SYSTEMD_NSPAWN_UNIFIED_HIERARCHY="1")
@@ -62,8 +62,12 @@ class NspawnHost(SshHost):
             "--register=no",
             "--keep-unit",
         ]
+        if self.address != "127.0.0.1":  # its own sshd address, over the rootfs's drop-in
+            sshd = CACHE / ("%s.sshd.conf" % self.name)
+            sshd.write_text("Port 22\nListenAddress %s\nPermitRootLogin prohibit-password\nUseDNS no\n" % self.address)
+            nspawn.append("--bind-ro=%s:/etc/ssh/sshd_config.d/vlserve-harness.conf" % sshd)
         # Moved into a cgroup of its own first, so the container's payload cgroups do not land in the root.
-        enter = "".join('echo $$ > "%s/cgroup.procs"; ' % d for d in CGROUP_DIRS if d.is_dir())
+        enter = "".join('echo $$ > "%s/cgroup.procs"; ' % d for d in self.cgroup_dirs if d.is_dir())
         with open(self.console, "wb") as console:
             self.process = subprocess.Popen(
                 ["sh", "-c", enter + 'exec "$@"', "sh", *nspawn],
@@ -82,6 +86,13 @@ class NspawnHost(SshHost):
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def power_off_hard(self) -> None:
+        """As if the machine lost power: SIGKILL to the container's PID 1 takes every process with it."""
+        init = _child_of(self.process.pid) if self.alive() else None
+        if init:
+            os.kill(init, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
             init = _child_of(self.process.pid)
@@ -92,7 +103,7 @@ class NspawnHost(SshHost):
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for directory in CGROUP_DIRS:
+        for directory in self.cgroup_dirs:
             # The container's own cgroups (payload, supervisor) go too, deepest first, once empty.
             for path in [*sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True), directory]:
                 if path.is_dir():

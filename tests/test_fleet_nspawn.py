@@ -1,0 +1,264 @@
+"""A fleet on real systemd hosts: three service hosts and a fleet front, four nspawn containers at once.
+
+They share this machine's network namespace, each on a loopback address of its own (127.0.1.N:
+sshd, the host's front and its workers all bind there), so nothing but loopback is addressed. In
+order: site.yml over the four hosts serves through the fleet front and a second run changes and
+drains nothing; a changed setting rolls out a canary first, then one host at a time, each drained
+and back before the next, with no failed request of a client looping through the fleet front; a
+broken model on the second host stops the rollout there, the third keeps its old settings and the
+front routes around the drained host; a host that loses power leaves the front within its checks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from harness import nspawn
+from harness.host import SSH_OPTIONS
+from harness.playbooks import play_inventory, recaps, write_fleet_inventory
+from sample_images import image_question, png_bytes
+
+REASON = nspawn.available()
+if REASON and os.environ.get("CI"):
+    raise RuntimeError("the systemd tier must run in CI: %s" % REASON)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+SERVICE = {"fleet-1": "127.0.1.1", "fleet-2": "127.0.1.2", "fleet-3": "127.0.1.3"}
+FRONT = ("fleet-front", "127.0.1.9")
+FLEET_URL = "http://%s:8100" % FRONT[1]
+CHECK_INTERVAL_S = 1  # the fleet front's health checks: a dead host is out after two (about 2 s)
+
+# Reads the fleet front's runtime socket every 0.2 s and prints each server's status when it moves.
+WATCH = r"""
+import csv, socket, sys, time
+end = time.time() + float(sys.argv[1])
+last = {}
+while time.time() < end:
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect("/run/vlserve-fleet/admin.sock")
+        s.sendall(b"show stat\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        s.close()
+        for row in csv.DictReader(data.decode().lstrip("# ").splitlines()):
+            if row["pxname"] == "vlserve_fleet" and row["svname"] not in ("FRONTEND", "BACKEND"):
+                if last.get(row["svname"]) != row["status"]:
+                    last[row["svname"]] = row["status"]
+                    print("%.2f %s %s" % (time.time(), row["svname"], row["status"]), flush=True)
+    except OSError:
+        pass
+    time.sleep(0.2)
+"""
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fleet")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    started = {}
+    try:
+        for name, address in [*SERVICE.items(), FRONT]:
+            started[name] = nspawn.NspawnHost(name=name, address=address).__enter__()
+        yield started
+    finally:
+        for host in started.values():
+            host.__exit__(None, None, None)
+
+
+def fleet_vars(tiny_model, torch_wheel, **overrides) -> dict:
+    return {
+        "vlserve_deploy_model_source": "controller",
+        "vlserve_deploy_model_controller_dir": str(tiny_model),
+        "vlserve_deploy_torch_source": "wheels",
+        "vlserve_deploy_wheels": [torch_wheel],
+        "vlserve_facts_min_threads_per_worker": 1,
+        "vlserve_facts_max_workers": 1,
+        "vlserve_front_check_interval_s": CHECK_INTERVAL_S,
+        **overrides,
+    }
+
+
+def inventory(workdir, hosts, per_host=None, **common):
+    """Every service host binds its front and workers to its own address; the front host its front."""
+    per_host = per_host or {}
+    service = {
+        name: (
+            hosts[name],
+            {"vlserve_deploy_front_bind": address, "vlserve_deploy_worker_bind": address, **per_host.get(name, {})},
+        )
+        for name, address in SERVICE.items()
+    }
+    front = {FRONT[0]: (hosts[FRONT[0]], {"vlserve_front_bind": FRONT[1]})}
+    return write_fleet_inventory(workdir, {"vlserve": service, "vlserve_front": front}, **common)
+
+
+def ask(url, timeout=60):
+    return httpx.post(url + "/v1/chat/completions", json=image_question(png_bytes(), max_tokens=2), timeout=timeout)
+
+
+class Client(threading.Thread):
+    """Asks the fleet front again and again until stopped (at most 20 minutes): time, status, which host."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.outcomes, self.running = [], True
+
+    def run(self):
+        deadline = time.monotonic() + 1200
+        while self.running and time.monotonic() < deadline:
+            try:
+                response = ask(FLEET_URL)
+                self.outcomes.append((time.time(), response.status_code, response.headers.get("x-vlserve-host")))
+            except httpx.HTTPError as error:
+                self.outcomes.append((time.time(), type(error).__name__, None))
+
+    def stop(self):
+        self.running = False
+        self.join(90)
+        return self.outcomes
+
+
+class Watch:
+    """The fleet front's view of each host over time, read from its runtime socket inside the front host."""
+
+    def __init__(self, front, seconds: float = 1500):
+        command = "python3 - %d <<'EOF'\n%sEOF" % (seconds, WATCH)
+        self.process = subprocess.Popen(
+            ["ssh", "-i", str(front.key), "-p", str(front.port), *SSH_OPTIONS, "root@" + front.address, command],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def stop(self) -> list[tuple[float, str, str]]:
+        self.process.terminate()
+        out, _ = self.process.communicate(timeout=30)
+        return [(float(t), name, status) for t, name, status in (line.split(" ", 2) for line in out.splitlines())]
+
+
+def out_of_service(events) -> dict[str, list[tuple[float, float]]]:
+    """Per host, the intervals during which the front did not send it requests (status other than UP)."""
+    intervals, since = {}, {}
+    for when, name, status in events:
+        if status.startswith("UP"):
+            if name in since:
+                intervals.setdefault(name, []).append((since.pop(name), when))
+        else:
+            since.setdefault(name, when)
+    for name, start in since.items():
+        intervals.setdefault(name, []).append((start, float("inf")))
+    return intervals
+
+
+@pytest.fixture(scope="module")
+def deployed(hosts, workdir, tiny_model, torch_wheel):
+    path = inventory(workdir, hosts, **fleet_vars(tiny_model, torch_wheel))
+    result = play_inventory(path, "site.yml")
+    assert result.returncode == 0, result.stdout[-8000:]
+    return result
+
+
+def test_site_over_the_fleet_serves_through_the_fleet_front(hosts, deployed):
+    answered = set()
+    for _ in range(12):
+        response = ask(FLEET_URL)
+        assert response.status_code == 200, response.text
+        answered.add(response.headers["x-vlserve-host"])
+    assert answered == set(SERVICE), answered  # least connections spreads requests over every host
+    for address in SERVICE.values():  # and each host's own front answers too
+        assert ask("http://%s:8100" % address).status_code == 200
+
+
+def test_a_second_run_changes_nothing_and_drains_nothing(hosts, workdir, tiny_model, torch_wheel, deployed):
+    watch = Watch(hosts[FRONT[0]])
+    result = play_inventory(inventory(workdir, hosts, **fleet_vars(tiny_model, torch_wheel)), "site.yml")
+    events = watch.stop()
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert all(counters["changed"] == 0 for counters in recaps(result).values()), result.stdout[-6000:]
+    assert not out_of_service(events), events
+
+
+def test_a_changed_setting_rolls_out_canary_first_one_host_at_a_time(hosts, workdir, tiny_model, torch_wheel, deployed):
+    watch = Watch(hosts[FRONT[0]])
+    client = Client()
+    client.start()
+    settings = {"vlserve_deploy_settings": {"max_pixels": 40000}}
+    result = play_inventory(inventory(workdir, hosts, **fleet_vars(tiny_model, torch_wheel, **settings)), "site.yml")
+    outcomes = client.stop()
+    events = watch.stop()
+    assert result.returncode == 0, result.stdout[-6000:]
+    for name in SERVICE:
+        assert "VLSERVE_MAX_PIXELS=40000" in hosts[name].ssh("cat /etc/vlserve/vlserve.env").stdout
+    failures = [o for o in outcomes if o[1] != 200]
+    assert len(outcomes) > 10 and not failures, failures
+    intervals = out_of_service(events)
+    assert set(intervals) == set(SERVICE), events  # every host was drained once, and came back
+    spans = sorted((span, name) for name, spans in intervals.items() for span in spans)
+    assert spans[0][1] == "fleet-1", spans  # the canary went first
+    for (first, _), (second, _) in itertools.pairwise(spans):
+        assert first[1] <= second[0], spans  # serial 1: never two hosts out at once
+    print("drained and back (s):", [(name, round(end - start, 1)) for (start, end), name in spans])
+
+
+@pytest.mark.usefixtures("deployed")
+def test_a_broken_model_on_the_second_host_stops_the_rollout_there(hosts, workdir, tiny_model, torch_wheel, tmp_path):
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    watch = Watch(hosts[FRONT[0]])
+    client = Client()
+    client.start()
+    settings = {"vlserve_deploy_settings": {"max_pixels": 50176}}
+    path = inventory(
+        workdir,
+        hosts,
+        per_host={"fleet-2": {"vlserve_deploy_model_controller_dir": str(broken)}},
+        **fleet_vars(tiny_model, torch_wheel, **settings),
+    )
+    result = play_inventory(path, "site.yml")
+    time.sleep(3)
+    outcomes = client.stop()
+    events = watch.stop()
+    assert result.returncode != 0
+    assert "fleet-2" in result.stdout and "is a 'llama' model, not qwen3_vl" in result.stdout, result.stdout[-6000:]
+    assert "fleet-3" not in [h for h, c in recaps(result).items() if c["changed"]]
+    # The canary took the new settings; the third host was never reached and runs the old ones.
+    assert "VLSERVE_MAX_PIXELS=50176" in hosts["fleet-1"].ssh("cat /etc/vlserve/vlserve.env").stdout
+    assert "VLSERVE_MAX_PIXELS=40000" in hosts["fleet-3"].ssh("cat /etc/vlserve/vlserve.env").stdout
+    assert ask("http://%s:8100" % SERVICE["fleet-3"]).status_code == 200
+    # The failed host stays drained, the front routes around it, and no client request failed.
+    intervals = out_of_service(events)
+    assert intervals["fleet-2"][-1][1] == float("inf"), events
+    failures = [o for o in outcomes if o[1] != 200]
+    assert len(outcomes) > 5 and not failures, failures
+    assert {o[2] for o in outcomes if o[0] > intervals["fleet-2"][-1][0]} <= {"fleet-1", "fleet-3"}
+
+
+def test_a_host_that_loses_power_leaves_the_fleet_front_within_its_checks(hosts, deployed):
+    watch = Watch(hosts[FRONT[0]], seconds=120)
+    client = Client()
+    client.start()
+    time.sleep(3)
+    killed = time.time()
+    hosts["fleet-3"].power_off_hard()
+    time.sleep(8)
+    outcomes = client.stop()
+    events = watch.stop()
+    down = [when for when, name, status in events if name == "fleet-3" and status.startswith("DOWN")]
+    assert down, events
+    print("fleet-3 marked DOWN %.1f s after it lost power" % (down[0] - killed))
+    assert down[0] - killed <= 2 * CHECK_INTERVAL_S + 3  # two failed checks, and a check's own timeout
+    failures = [o for o in outcomes if o[1] != 200]
+    assert len(failures) <= 1, failures  # at most the request the dead host held
+    assert all(o[2] != "fleet-3" for o in outcomes if o[0] > down[0])
