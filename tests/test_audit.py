@@ -53,7 +53,7 @@ def test_zram_written_by_either_method_reads_the_same(root, where):
     }
 
 
-@pytest.mark.parametrize("where", [audit.SYSCTL_FILE, audit.TUNED_PROFILE])
+@pytest.mark.parametrize("where", [audit.SYSCTL_FILE, *audit.TUNED_PROFILES])
 def test_sysctls_written_to_sysctl_d_or_a_tuned_profile_read_the_same(root, where):
     if where == audit.SYSCTL_FILE:
         write(root, where, render("sysctl.conf.j2", vlserve_plan=PLAN))

@@ -187,7 +187,9 @@ def test_a_host_running_tuned_gets_a_child_profile_instead_of_sysctl_d(guest, wo
     second = play(guest, workdir, "playbooks/tune.yml")
     assert recap(second)["changed"] == 0, second.stdout[-4000:]
     plan = audit(guest, workdir)["plan"]
-    profile = guest.ssh("cat /etc/tuned/vlserve/tuned.conf").stdout
+    # tuned 2.23 and later (Debian 13) read user profiles from /etc/tuned/profiles.
+    profile = guest.ssh("cat /etc/tuned/profiles/vlserve/tuned.conf 2>/dev/null || cat /etc/tuned/vlserve/tuned.conf")
+    profile = profile.stdout
     assert "include=balanced" in profile
     assert "vm.swappiness=%d" % plan["knobs"]["swappiness"]["value"] in profile
     assert "vm.page-cluster=%d" % plan["knobs"]["page_cluster"]["value"] in profile

@@ -26,7 +26,10 @@ TUNING_FILES = {
     "sysctl": "/etc/sysctl.d/90-vlserve.conf",
     "zram_config": "/etc/systemd/zram-generator.conf",
     "zram_unit": "/etc/systemd/system/vlserve-zram.service",  # the zramctl fallback
-    "tuned_profile": "/etc/tuned/vlserve/tuned.conf",  # where tuned runs, the sysctl values live here
+    # Where tuned runs, the sysctl values live in a tuned profile: tuned 2.23 and later (Debian 13,
+    # Fedora 40) read user profiles from /etc/tuned/profiles, older ones from /etc/tuned.
+    "tuned_profile": "/etc/tuned/vlserve/tuned.conf",
+    "tuned_profile_2_23": "/etc/tuned/profiles/vlserve/tuned.conf",
     "slice_unit": "/etc/systemd/system/vlserve.slice",
     "governor_unit": "/etc/systemd/system/vlserve-cpu-governor.service",
     "wsl_conf": "/etc/wsl.conf",
@@ -34,7 +37,7 @@ TUNING_FILES = {
 SYSCTL_FILE = TUNING_FILES["sysctl"]
 ZRAM_CONFIG = TUNING_FILES["zram_config"]
 ZRAM_UNIT = TUNING_FILES["zram_unit"]
-TUNED_PROFILE = TUNING_FILES["tuned_profile"]
+TUNED_PROFILES = (TUNING_FILES["tuned_profile_2_23"], TUNING_FILES["tuned_profile"])
 SLICE_UNIT = TUNING_FILES["slice_unit"]
 GOVERNOR_UNIT = TUNING_FILES["governor_unit"]
 WSL_CONF = TUNING_FILES["wsl_conf"]
@@ -99,7 +102,8 @@ def probe_tuning(root: str = "/") -> dict[str, Any]:
     effective = _read(root, "/sys/fs/cgroup/vlserve.slice/cpuset.cpus.effective")
     libgomp = any(glob.glob(os.path.join(root, directory.lstrip("/"), "libgomp.so.1")) for directory in LIBRARY_DIRS)
     return {
-        "sysctl_file": _sysctl_file(_read(root, SYSCTL_FILE)) or _tuned_sysctl(_read(root, TUNED_PROFILE)),
+        "sysctl_file": _sysctl_file(_read(root, SYSCTL_FILE))
+        or next((found for path in TUNED_PROFILES if (found := _tuned_sysctl(_read(root, path)))), None),
         "zram_config": dict(zram["zram0"])
         if zram is not None and zram.has_section("zram0")
         else _zram_unit(_read(root, ZRAM_UNIT)),
