@@ -77,17 +77,21 @@ class SshHost:
         return self.ssh(command).stdout
 
 
-def write_inventory(directory: pathlib.Path, host: SshHost, **host_vars) -> pathlib.Path:
-    """An inventory that reaches a harness host on its loopback address as `guest`, with extra host variables."""
-    values = {
+def connection_vars(host: SshHost) -> dict:
+    """How Ansible reaches a harness host: root over SSH on its loopback address, with its key."""
+    return {
         "ansible_host": host.address,
         "ansible_port": host.port,
         "ansible_user": "root",
         "ansible_ssh_private_key_file": str(host.key),
         "ansible_ssh_common_args": " ".join(SSH_OPTIONS),
         "ansible_python_interpreter": "/usr/bin/python3",
-        **host_vars,
     }
+
+
+def write_inventory(directory: pathlib.Path, host: SshHost, **host_vars) -> pathlib.Path:
+    """An inventory that reaches a harness host on its loopback address as `guest`, with extra host variables."""
+    values = {**connection_vars(host), **host_vars}
     path = directory / "inventory.json"
     path.write_text(json.dumps({"all": {"hosts": {"guest": values}}}, indent=2))
     return path

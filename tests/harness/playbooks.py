@@ -7,7 +7,7 @@ import pathlib
 import re
 
 from conftest import run_tool
-from harness.host import SSH_OPTIONS
+from harness.host import connection_vars
 
 
 def play(host, workdir: pathlib.Path, playbook: str, *args: str, check: bool = False, **host_vars):
@@ -37,17 +37,7 @@ def write_fleet_inventory(directory: pathlib.Path, groups: dict, **common) -> pa
     reached on its own loopback address, `common` variables for all."""
     inventory: dict = {"all": {"vars": common, "children": {}}}
     for group, members in groups.items():
-        hosts = {}
-        for name, (host, variables) in members.items():
-            hosts[name] = {
-                "ansible_host": host.address,
-                "ansible_port": host.port,
-                "ansible_user": "root",
-                "ansible_ssh_private_key_file": str(host.key),
-                "ansible_ssh_common_args": " ".join(SSH_OPTIONS),
-                "ansible_python_interpreter": "/usr/bin/python3",
-                **variables,
-            }
+        hosts = {name: {**connection_vars(host), **variables} for name, (host, variables) in members.items()}
         inventory["all"]["children"][group] = {"hosts": hosts}
     path = directory / "fleet-inventory.json"
     path.write_text(json.dumps(inventory, indent=2))
