@@ -12,6 +12,7 @@ front routes around the drained host; a host that loses power leaves the front w
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import threading
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 SERVICE = {"fleet-1": "127.0.1.1", "fleet-2": "127.0.1.2", "fleet-3": "127.0.1.3"}
 FRONT = ("fleet-front", "127.0.1.9")
 FLEET_URL = "http://%s:8100" % FRONT[1]
+FIGURES = nspawn.CACHE / "fleet-figures.json"  # what the tier measured, kept as an artefact of the run
 CHECK_INTERVAL_S = 1  # the fleet front's health checks: a dead host is out after two (about 2 s)
 
 # Reads the fleet front's runtime socket every 0.2 s and prints each server's status when it moves.
@@ -147,6 +149,11 @@ class Watch:
         return [(float(t), name, status) for t, name, status in (line.split(" ", 2) for line in out.splitlines())]
 
 
+def record(**figures) -> None:
+    known = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+    FIGURES.write_text(json.dumps(known | figures, indent=2) + "\n")
+
+
 def out_of_service(events) -> dict[str, list[tuple[float, float]]]:
     """Per host, the intervals during which the front did not send it requests (status other than UP)."""
     intervals, since = {}, {}
@@ -208,7 +215,10 @@ def test_a_changed_setting_rolls_out_canary_first_one_host_at_a_time(hosts, work
     assert spans[0][1] == "fleet-1", spans  # the canary went first
     for (first, _), (second, _) in itertools.pairwise(spans):
         assert first[1] <= second[0], spans  # serial 1: never two hosts out at once
-    print("drained and back (s):", [(name, round(end - start, 1)) for (start, end), name in spans])
+    record(
+        rollout_out_of_service_s=[[name, round(end - start, 1)] for (start, end), name in spans],
+        rollout_requests=len(outcomes),
+    )
 
 
 @pytest.mark.usefixtures("deployed")
@@ -257,8 +267,8 @@ def test_a_host_that_loses_power_leaves_the_fleet_front_within_its_checks(hosts,
     events = watch.stop()
     down = [when for when, name, status in events if name == "fleet-3" and status.startswith("DOWN")]
     assert down, events
-    print("fleet-3 marked DOWN %.1f s after it lost power" % (down[0] - killed))
-    assert down[0] - killed <= 2 * CHECK_INTERVAL_S + 3  # two failed checks, and a check's own timeout
     failures = [o for o in outcomes if o[1] != 200]
+    record(dead_host_out_after_s=round(down[0] - killed, 1), dead_host_failed_requests=len(failures))
+    assert down[0] - killed <= 2 * CHECK_INTERVAL_S + 3  # two failed checks, and a check's own timeout
     assert len(failures) <= 1, failures  # at most the request the dead host held
     assert all(o[2] != "fleet-3" for o in outcomes if o[0] > down[0])
