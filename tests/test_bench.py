@@ -1,6 +1,6 @@
 """The benchmark tools work, on the tiny model: counts, shapes and error kinds, never speeds.
 
-Speed claims live in `vlserve bench-compare` runs (README), not in tests.
+Speed claims live in `vlserve bench-compare` runs (docs/benchmarks.md), not in tests.
 """
 
 from __future__ import annotations

@@ -534,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = commands.add_parser(
         "bench-compare",
-        help="naive vs tuned on this machine, in one run: the table of ratios the README quotes",
+        help="naive vs tuned on this machine, in one run: the table of ratios docs/benchmarks.md quotes",
     )
     compare.add_argument(
         "--model-dir",
