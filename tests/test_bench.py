@@ -149,6 +149,7 @@ def test_compare_runs_naive_and_tuned_and_fills_every_figure(tiny_model, tmp_pat
         "prefill_dtype": "float32",
         "threads": fresh_torch_threads(),
         "packed_weights": False,
+        "quantize": "none",
     }
     assert data["tuned"]["server"]["dtype"] == plan["model"]["dtype"]
     assert data["tuned"]["server"]["vision_dtype"] == plan["model"]["vision_dtype"]
@@ -215,4 +216,4 @@ def test_autotune_ranks_the_plan_and_writes_host_vars_the_role_accepts(tiny_mode
     options = specs["argument_specs"]["main"]["options"]
     assert variables and set(variables) <= set(options)
     policy = sizing.Policy.from_mapping({k.removeprefix("vlserve_facts_"): v for k, v in variables.items()})
-    assert policy.dtype == "float32" and policy.max_batch_size in (1, 2) and policy.quantize == "none"
+    assert policy.dtype == "float32" and policy.max_batch_size in (1, 2) and policy.quantize == "auto"

@@ -14,7 +14,7 @@ import vlserve.loader
 from conftest import run_tool
 from vlserve.engine import Engine, ImageInput
 from vlserve.errors import ContextLengthExceeded, RequestTimeout
-from vlserve.packing import PREFILL_ROWS, PackedGroup, PackedLinear, packing_supported
+from vlserve.packing import PREFILL_ROWS, PackedBf16Weight, PackedGroup, PackedLinear, packing_supported
 from vlserve.quantized import INT8_PREFILL_ROWS, Int8Linear, Int8Weight
 from vlserve.sampling import SamplingParams
 from vlserve.settings import LimitSettings, ModelSettings
@@ -225,7 +225,7 @@ def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path):
         )  # q k v o gate up down, head
         fused = [m for m in layers if m.group is not None]  # q k v and gate up: one product each
         assert len(fused) == 5 * engines[True].model.config.text_config.num_hidden_layers
-        assert all(m.packed_weight is None for m in fused)
+        assert all(m.weight is None for m in fused)
         assert not any(isinstance(m, PackedLinear) for m in engines[False].model.modules())
         for conversation in CONVERSATIONS:
             plain, _ = run(engines[False], conversation, tokens=12, ignore_eos=True)
@@ -244,8 +244,8 @@ def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path):
 def test_a_packed_group_gives_each_member_its_own_product():
     torch.manual_seed(1)
     plain = [torch.nn.Linear(64, n, bias=n != 16).to(torch.bfloat16) for n in (48, 16, 32)]
-    group = PackedGroup(plain)
-    members = [PackedLinear(linear, group=group, index=i) for i, linear in enumerate(plain)]
+    group = PackedGroup(plain, PackedBf16Weight)
+    members = [PackedLinear(linear, PackedBf16Weight, group=group, index=i) for i, linear in enumerate(plain)]
     alone = [PackedLinear(linear) for linear in plain]
     for rows in (1, 3, PREFILL_ROWS + 1):
         x = torch.randn(2, rows, 64).to(torch.bfloat16)
@@ -266,14 +266,14 @@ def test_prompt_sized_products_run_on_the_float32_copy_once_it_is_made():
     plain = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
     layer = PackedLinear(plain, prefill_dtype=torch.float32)
     prompt, step = torch.randn(PREFILL_ROWS + 5, 64).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16)
-    packed_prompt = torch.ops.mkldnn._linear_pointwise(prompt, layer.packed_weight, layer.bias, "none", [], "")
+    packed_prompt = layer.weight.matmul(prompt)
     assert layer.prefill_copy_pending and torch.equal(layer(prompt), packed_prompt)  # no copy yet: packed path
     layer.make_prefill_copy()
     assert not layer.prefill_copy_pending and layer.prefill_weight.dtype == torch.float32
     wide = torch.nn.functional.linear(prompt.float(), plain.weight.float(), plain.bias.float()).to(torch.bfloat16)
     assert torch.equal(layer(prompt), wide)
     assert torch.equal(
-        layer(step), torch.ops.mkldnn._linear_pointwise(step, layer.packed_weight, layer.bias, "none", [], "")
+        layer(step), torch.ops.mkldnn._linear_pointwise(step, layer.weight.packed, layer.weight.bias, "none", [], "")
     )
 
 
@@ -410,3 +410,38 @@ def test_only_the_scheduler_thread_runs_parallel_torch_work(tiny_model):
     result = run_tool("python", "-c", ONE_OPENMP_POOL, str(tiny_model), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "1"
+
+
+@pytest.mark.parametrize("level", ["int8", "int4"])
+def test_a_quantized_worker_loads_decodes_and_stays_close_to_the_exact_one(tmp_path, level):
+    """Each level converts every decoder layer and the head, keeps the vision tower's choice, answers, and its
+    next-token distributions stay near the exact model's (random weights: a loose bound, the real figures
+    come from `vlserve quant-check` on the real checkpoint)."""
+    directory = tmp_path / "tiny-bf16"
+    assert run_tool("vlserve", "make-test-model", str(directory)).returncode == 0
+    limits = LimitSettings(max_batch_size=2, max_context_tokens=1024, request_timeout_s=30)
+    exact = Engine(ModelSettings(model=directory, dtype="bfloat16", quantize="none", prefill_dtype="bfloat16"), limits)
+    rounded = Engine(ModelSettings(model=directory, dtype="bfloat16", quantize=level, vision_dtype="bfloat16"), limits)
+    for engine in (exact, rounded):
+        engine.load()
+        engine.mark_ready()
+    try:
+        assert rounded.quantize == level and not rounded.packed
+        layers = [m for m in rounded.model.modules() if isinstance(m, PackedLinear)]
+        decoder_layers = rounded.model.config.text_config.num_hidden_layers
+        assert len(layers) == 7 * decoder_layers + 1
+        kinds = {type(m.stored).__name__ for m in layers if m is not rounded.model.lm_head}
+        assert kinds == {"Int8Weight" if level == "int8" else "Int4Weight"}
+        assert type(rounded.model.lm_head.stored).__name__ == "Int8Weight"
+        assert not any(isinstance(m, torch.nn.Linear) for m in rounded.model.model.language_model.modules())
+        for conversation in CONVERSATIONS:
+            sequence, _ = run(rounded, conversation, tokens=6, ignore_eos=True)
+            assert len(sequence.generated) == 6
+        ids = torch.arange(40)[None]
+        with torch.inference_mode():
+            logits = [e.model(input_ids=ids).logits.float().log_softmax(-1) for e in (exact, rounded)]
+        kl = (logits[0].exp() * (logits[0] - logits[1])).sum(-1).mean()
+        assert 0 < float(kl) < (0.05 if level == "int8" else 0.5)
+    finally:
+        for engine in (exact, rounded):
+            engine.shutdown()

@@ -9,10 +9,10 @@ from vlserve import sizing
 from vlserve.loader import choose
 from vlserve.settings import LimitSettings, ModelSettings
 
-FEASIBLE = [p.stem for p in sorted(TOPOLOGIES.glob("*.json")) if p.stem != "wsl2-8cpu-6g"]
+ALL = [p.stem for p in sorted(TOPOLOGIES.glob("*.json"))]
 
 
-@pytest.mark.parametrize("name", FEASIBLE)
+@pytest.mark.parametrize("name", ALL)
 def test_auto_takes_what_a_deployed_worker_of_the_same_batch_takes(name):
     facts = load_topology(name)
     limits = LimitSettings(max_batch_size=2, max_context_tokens=4096)
@@ -21,11 +21,12 @@ def test_auto_takes_what_a_deployed_worker_of_the_same_batch_takes(name):
         facts, sizing.Policy(objective="latency", max_workers=1, max_batch_size=2, max_context_tokens=4096)
     )
     environment = plan["worker_list"][0]["environment"]
-    assert (chosen.dtype, chosen.vision_dtype, chosen.prefill_dtype, chosen.packed) == (
+    assert (chosen.dtype, chosen.vision_dtype, chosen.prefill_dtype, chosen.packed, chosen.quantize) == (
         environment["VLSERVE_DTYPE"],
         environment["VLSERVE_VISION_DTYPE"],
         environment["VLSERVE_PREFILL_DTYPE"],
         environment["VLSERVE_PACKED_WEIGHTS"] == "true",
+        environment["VLSERVE_QUANTIZE"],
     )
     assert chosen.threads == sizing.default_threads(facts)
 
@@ -52,6 +53,7 @@ def test_explicit_settings_win_over_the_plan():
 
 
 def test_a_host_the_plan_refuses_still_loads_without_extra_copies():
-    chosen = choose(ModelSettings(), LimitSettings(), load_topology("wsl2-8cpu-6g"))
+    chosen = choose(ModelSettings(quantize="none"), LimitSettings(), load_topology("wsl2-8cpu-6g"))
     assert chosen.vision_dtype == chosen.prefill_dtype == chosen.dtype and not chosen.packed
+    assert chosen.quantize == "none"
     assert chosen.why.startswith("no extra copies: one Qwen3-VL-2B-Instruct worker needs")

@@ -1,15 +1,20 @@
-"""Dynamic int8 products: exact integer arithmetic around per-row scales, close to the float product."""
+"""Quantized kernels: each matches the dequantized float reference within its own rounding."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from transformers import Qwen3VLForConditionalGeneration
 
 from conftest import run_tool
+from vlserve import quantized
 from vlserve.packing import PackedLinear, packing_supported
 from vlserve.quantized import (
+    INT4_GROUP,
     INT8_PREFILL_ROWS,
+    Int4Weight,
     Int8Linear,
     Int8Weight,
     PromptInt8Linear,
@@ -32,15 +37,67 @@ def test_rows_are_quantized_to_within_half_a_step_and_zero_rows_stay_zero():
     assert torch.equal(values[3], torch.zeros(300, dtype=torch.int8))
 
 
-def test_the_product_is_the_integer_product_rescaled():
+@pytest.fixture(params=["onednn", "weight_int8pack_mm"])
+def int8_backend(request, monkeypatch):
+    """Both int8 products: oneDNN's prepacked one, and torch's weight-only one where oneDNN is missing."""
+    if request.param == "onednn" and not quantized.onednn_int8_supported():
+        pytest.skip("this torch build has no oneDNN int8 products")
+    if request.param != "onednn":
+        monkeypatch.setattr(quantized, "onednn_int8_supported", lambda: False)
+    return request.param
+
+
+def test_the_int8_product_is_the_integer_product_rescaled(int8_backend):
     torch.manual_seed(1)
     weight, bias, rows = torch.randn(48, 96), torch.randn(48), torch.randn(20, 96) * 3
     layer = Int8Weight(weight, bias)
-    q_rows, row_scales = quantize_rows(rows)
-    exact = (q_rows.long() @ layer.values.long().t()).double() * row_scales.double()[:, None] * layer.scales.double()
+    assert (layer.packed is not None) == (int8_backend == "onednn")
+    q_weight, weight_scales = quantize_rows(weight)
+    assert torch.allclose(layer.dequantized(), q_weight.float() * weight_scales[:, None], rtol=1e-6, atol=0)
+    if int8_backend == "onednn":  # inputs rounded per row too, integer sums exact
+        q_rows, row_scales = quantize_rows(rows)
+        exact = (q_rows.long() @ q_weight.long().t()).double() * row_scales.double()[:, None] * weight_scales.double()
+    else:  # exact inputs
+        exact = rows.double() @ layer.dequantized().double().t()
     assert torch.allclose(layer.matmul(rows).double(), exact + bias.double(), rtol=1e-5, atol=1e-5)
     # And close to the float product: 255 levels per row give well under 2% on Gaussian data.
     assert relative_error(layer.matmul(rows), rows @ weight.t() + bias) < 0.02
+
+
+def test_a_big_weight_is_quantized_in_chunks_with_the_same_result(monkeypatch):
+    torch.manual_seed(4)
+    weight = torch.randn(304, 64)
+    whole = Int8Weight(weight).dequantized(), Int4Weight(weight, activation_dtype=torch.float32).dequantized()
+    monkeypatch.setattr(quantized, "QUANTIZE_CHUNK_ROWS", 7)
+    assert torch.equal(Int8Weight(weight).dequantized(), whole[0])
+    assert torch.equal(Int4Weight(weight, activation_dtype=torch.float32).dequantized(), whole[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_weights_are_within_half_a_step_of_their_group_and_the_product_is_their_product(dtype):
+    torch.manual_seed(5)
+    weight = torch.randn(64, 4 * INT4_GROUP) * torch.linspace(0.01, 3.0, 64)[:, None]
+    weight[3, :INT4_GROUP] = 0.25  # a constant group stays exact
+    bias, rows = torch.randn(64), torch.randn(9, 4 * INT4_GROUP)
+    layer = Int4Weight(weight, bias, activation_dtype=dtype)
+    grouped = weight.reshape(64, 4, INT4_GROUP)
+    step = (grouped.amax(-1) - grouped.amin(-1)) / 15
+    tolerance = 0.5 * step + (2e-2 if dtype == torch.bfloat16 else 1e-5) * grouped.abs().amax(-1)
+    error = (layer.dequantized().reshape(64, 4, INT4_GROUP) - grouped).abs().amax(-1)
+    assert torch.all(error <= tolerance)
+    assert torch.allclose(layer.dequantized()[3, :INT4_GROUP], torch.full((INT4_GROUP,), 0.25), atol=2e-3)
+    reference = rows.to(dtype).double() @ layer.dequantized().double().t() + bias.to(dtype).double()
+    rtol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(layer.matmul(rows).double(), reference, rtol=rtol, atol=rtol * float(reference.abs().max()))
+    assert layer.matmul(rows).dtype == dtype
+    # 16 levels per group of 32: a few percent from the float product on Gaussian data.
+    assert relative_error(layer.matmul(rows), rows @ weight.t() + bias) < 0.1
+
+
+@pytest.mark.parametrize("shape", [(16, INT4_GROUP + 1), (8, INT4_GROUP)])
+def test_int4_refuses_a_shape_its_layout_cannot_hold(shape):
+    with pytest.raises(ValueError, match="int4 needs inputs in groups of 32 and outputs in blocks of 16"):
+        Int4Weight(torch.randn(*shape), activation_dtype=torch.float32)
 
 
 def test_int8_linear_keeps_shape_and_dtype():
@@ -82,7 +139,7 @@ def test_prompt_sized_products_run_on_the_int8_copy():
     assert layer.prefill_weight.dtype == torch.int8
     assert torch.equal(layer(prompt), Int8Weight(plain.weight, plain.bias).matmul(prompt).to(torch.bfloat16))
     assert torch.equal(
-        layer(step), torch.ops.mkldnn._linear_pointwise(step, layer.packed_weight, layer.bias, "none", [], "")
+        layer(step), torch.ops.mkldnn._linear_pointwise(step, layer.weight.packed, layer.weight.bias, "none", [], "")
     )
 
 
@@ -96,3 +153,44 @@ def test_a_float32_layer_runs_prompts_on_its_int8_copy_once_made():
     assert not layer.prefill_copy_pending
     assert torch.equal(layer(prompt), Int8Weight(plain.weight, plain.bias).matmul(prompt))
     assert torch.equal(layer(step), plain(step))
+
+
+def test_quant_check_reports_agreement_and_divergence_for_each_level(tiny_bf16, tmp_path):
+    output = tmp_path / "check.json"
+    result = run_tool(
+        "vlserve", "quant-check", "--model", str(tiny_bf16), "--prompts", "2", "--answer-tokens", "6",
+        "--output", str(output), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "| int8 |" in result.stdout and "| int4 |" in result.stdout
+    data = json.loads(output.read_text())
+    assert (data["prompts"], data["answer_tokens"]) == (2, 6)
+    for level in ("int8", "int4"):
+        figures = data["levels"][level]
+        assert figures["quantize"] == level and figures["positions"] == 12
+        assert 0 <= figures["agreement"] <= 1 and 0 < figures["kl_mean"] <= figures["kl_max"]
+    # Four bits round more than eight: on the same prompts, a larger divergence.
+    assert data["levels"]["int4"]["kl_mean"] > data["levels"]["int8"]["kl_mean"]
+
+
+def test_quant_check_refuses_a_directory_that_is_no_checkpoint(tmp_path):
+    result = run_tool("vlserve", "quant-check", "--model", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("has no config.json: not a Hugging Face checkpoint")
+
+
+def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_it_rounds(tiny_bf16, tmp_path):
+    output = tmp_path / "decode.json"
+    result = run_tool(
+        "vlserve", "bench-decode", "--model", str(tiny_bf16), "--tokens", "3", "--rounds", "2", "--threads", "1",
+        "--output", str(output), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(output.read_text())
+    levels = data["levels"]
+    assert list(levels) == ["none", "int8", "int4"] and levels["none"]["speedup"] == 1
+    for figures in levels.values():
+        assert figures["tokens_per_s"] > 0 and figures["step_ms_range"][0] <= figures["step_ms"]
+    sizes = [levels[level]["decode_bytes_per_token"] for level in ("none", "int8", "int4")]
+    assert sizes[0] > sizes[1] > sizes[2] > 0
+    assert "| int4 |" in result.stdout or "| int4 | " in result.stdout

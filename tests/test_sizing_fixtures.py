@@ -76,6 +76,42 @@ def test_e5_2680v4_avx2_only():
     assert result["knobs"]["page_cluster"]["value"] == 0
 
 
+@pytest.mark.parametrize("isa", ["as is", "avx2 only"])
+def test_an_8_gib_laptop_with_a_desktop_running_gets_a_worker_at_a_smaller_level(isa):
+    facts = load_topology("i7-11800h-laptop-8g")
+    if isa == "avx2 only":
+        facts["cpu"]["isa"].update(avx512f=False, avx512_vnni=False, avx512_bf16=False)
+    desktop = sizing.Policy(other_services_bytes=int(2.4 * sizing.GIB))  # 4.2 GiB left for workers
+    with pytest.raises(sizing.PlanError, match="or take quantize: int8, with which one worker fits"):
+        sizing.plan(facts, sizing.Policy(other_services_bytes=desktop.other_services_bytes, quantize="none"))
+    result = sizing.plan(facts, desktop)
+    assert result["model"]["quantize"] == "int8" and result["workers"]["count"] == 1
+    assert result["worker_list"][0]["memory_high_bytes"] <= result["memory"]["available_bytes"]
+    assert result["model"]["prefill_dtype"] == "int8" and not result["model"]["packed_weights"]
+    # Tighter still, int4.
+    tighter = sizing.plan(facts, sizing.Policy(other_services_bytes=int(2.8 * sizing.GIB)))
+    assert tighter["model"]["quantize"] == "int4"
+    assert tighter["worker_list"][0]["memory_high_bytes"] < result["worker_list"][0]["memory_high_bytes"]
+
+
+def test_the_default_stays_exact_wherever_one_worker_fits():
+    for name in ("this-machine", "i7-11800h-laptop-8g", "cloud-vm-2vcpu", "xeon-e5-2680v4"):
+        result = sizing.plan(load_topology(name))
+        assert result["model"]["quantize"] == "none", name
+        assert result["model"]["quantize_why"] == "auto: exact weights, one worker fits"
+
+
+def test_each_level_counts_its_own_weights():
+    footprint = sizing.FOOTPRINTS["qwen3-vl-2b-instruct"]
+    sizes = {
+        level: sizing.worker_memory(footprint, "bfloat16", 1, 2048, quantize=level)["weights_bytes"]
+        for level in ("none", "int8", "int4")
+    }
+    linear, head = footprint.text_linear_parameters, footprint.tied_head_parameters
+    assert sizes["none"] - sizes["int8"] == 2 * linear - linear - head
+    assert sizes["int8"] - sizes["int4"] == linear - linear * 5 // 8
+
+
 def test_small_laptop_shrinks_the_batch_and_takes_bfloat16_to_fit():
     result = sizing.plan(load_topology("i7-11800h-laptop-8g"))
     assert result["model"]["dtype"] == "bfloat16"
@@ -129,12 +165,20 @@ def test_hybrid_laptop_leaves_out_e_cores():
 
 def test_wsl2_with_6_gib_cannot_run_and_says_how_to_fix_it():
     # The binding limit is the VM's memory=: the message says which line to write.
-    with pytest.raises(sizing.PlanError, match=r"set memory=7GB under \[wsl2\] in .*\.wslconfig"):
-        sizing.plan(load_topology("wsl2-8cpu-6g"))
+    # At exact weights, that is; the plan then names the level with which one worker fits.
+    exact = sizing.Policy(quantize="none")
+    with pytest.raises(
+        sizing.PlanError, match=r"set memory=7GB under \[wsl2\] in .*\.wslconfig.*; or take quantize: int8, with which"
+    ):
+        sizing.plan(load_topology("wsl2-8cpu-6g"), exact)
+    # On auto it takes that level itself, and says why.
+    rounded = sizing.plan(load_topology("wsl2-8cpu-6g"))
+    assert rounded["model"]["quantize"] == rounded["worker_list"][0]["environment"]["VLSERVE_QUANTIZE"] == "int8"
+    assert rounded["model"]["quantize_why"].startswith("auto: int8, as the exact weights do not fit (one ")
     # With the limit raised, it plans, and the host knobs that WSL lacks are "not applicable".
     facts = load_topology("wsl2-8cpu-6g")
     facts["memory"]["total_bytes"] = facts["memory"]["available_bytes"] = 12 * sizing.GIB
-    result = sizing.plan(facts)
+    result = sizing.plan(facts, exact)
     knobs = result["knobs"]
     assert knobs["wsl"]["applies"] is True
     # .wslconfig must give the distribution at least what the plan uses, rounded up to whole GiB.
@@ -190,27 +234,37 @@ def test_this_machine_capture():
     )
 
 
-def test_quantize_int8_is_opt_in_and_needs_vnni():
+def test_quantize_int8_rounds_the_language_model_and_with_vnni_the_vision_tower():
     facts = load_topology("this-machine")  # AVX-512 VNNI
     default = sizing.plan(facts)
     quantized = sizing.plan(facts, sizing.Policy(quantize="int8"))
     model = quantized["model"]
     assert (model["dtype"], model["vision_dtype"], model["prefill_dtype"]) == ("bfloat16", "int8", "int8")
-    assert "numerics change" in model["vision_why"] and "numerics change" in model["prefill_why"]
+    assert (model["quantize"], model["quantize_why"], model["packed_weights"]) == ("int8", "set by policy", False)
+    assert "numerics change" in model["vision_why"] and "no copy" in model["prefill_why"]
     env = quantized["worker_list"][0]["environment"]
-    assert (env["VLSERVE_VISION_DTYPE"], env["VLSERVE_PREFILL_DTYPE"]) == ("int8", "int8")
-    # An int8 prefill copy is a quarter of the float32 one; the int8 vision tower half the bf16 one.
+    assert (env["VLSERVE_VISION_DTYPE"], env["VLSERVE_PREFILL_DTYPE"], env["VLSERVE_QUANTIZE"]) == ("int8",) * 3
+    # Exact: packed bf16 decoder + its packed head + float32 prompt copy + float32 vision tower. int8: the
+    # decoder's layers in int8 (prompts on them too), an int8 head, an int8 vision tower.
     footprint = sizing.FOOTPRINTS["qwen3-vl-2b-instruct"]
     saved = default["memory"]["per_worker"]["weights_bytes"] - quantized["memory"]["per_worker"]["weights_bytes"]
-    assert saved == footprint.text_linear_parameters * 3 + footprint.vision_parameters * 3
-    # VNNI without BF16 (Cascade Lake): float32 weights, int8 images and prompts, no packing needed.
+    assert (
+        saved == footprint.text_linear_parameters * 5 + footprint.vision_parameters * 3 + footprint.tied_head_parameters
+    )
+    # VNNI without BF16 (Cascade Lake): float32 for the rest, int8 images and prompts.
     cascade = sizing.plan(load_topology("xeon-gold-6248r-2s"), sizing.Policy(quantize="int8"))["model"]
     assert (cascade["dtype"], cascade["packed_weights"]) == ("float32", False)
     assert (cascade["vision_dtype"], cascade["prefill_dtype"]) == ("int8", "int8")
-    # Without VNNI (AVX2 only) the policy is reported and not applied: int8 would be slower there.
+    # Without VNNI (AVX2 only) the vision tower is not rounded: int8 products would be slower there.
     old = sizing.plan(load_topology("xeon-e5-2680v4"), sizing.Policy(quantize="int8"))
-    assert old["model"]["vision_dtype"] == old["model"]["prefill_dtype"] == "float32"
-    assert "quantize=int8 not applied: no AVX-512 VNNI" in old["model"]["vision_why"]
+    assert (old["model"]["vision_dtype"], old["model"]["prefill_dtype"]) == ("float32", "int8")
+    assert "not int8: no AVX-512 VNNI" in old["model"]["vision_why"]
+    # int4 with VNNI: an int8 copy for prompts, where the int4 kernel is slow.
+    int4 = sizing.plan(facts, sizing.Policy(quantize="int4"))["model"]
+    assert (int4["quantize"], int4["prefill_dtype"], int4["vision_dtype"]) == ("int4", "int8", "int8")
+    assert (
+        sizing.plan(load_topology("xeon-e5-2680v4"), sizing.Policy(quantize="int4"))["model"]["prefill_dtype"] == "int4"
+    )
 
 
 def test_policy_overrides_are_honoured_and_reported():
@@ -233,7 +287,7 @@ def test_allowed_cpus_outside_the_host_are_refused():
     "values, message",
     [
         ({"objective": "fastest"}, "objective must be throughput or latency"),
-        ({"quantize": "int4"}, "quantize must be none or int8"),
+        ({"quantize": "int2"}, "quantize must be auto, none, int8 or int4"),
         ({"swappiness": 500}, "swappiness must be empty or an integer from 0 to 200"),
         ({"zram_fraction": "lots"}, "zram_fraction must be a number"),
         ({"allowed_cpus": "0-x"}, "allowed_cpus must be a CPU list"),
@@ -283,10 +337,13 @@ def test_graviton3_bfloat16_from_arm_features_and_no_x86_only_paths():
         "bfloat16",
         "the CPU has Arm BF16 (bf16): half the memory traffic per token",
     )
-    assert not model["packed_weights"] and "oneDNN's x86" in model["packed_why"]
-    # The int8 products are x86 kernels: asked for, they are not applied, and the plan says why.
+    exact = sizing.plan(load_topology("graviton3-c7g-16"))["model"]
+    assert not exact["packed_weights"] and "oneDNN's x86" in exact["packed_why"]
+    assert exact["prefill_dtype"] == "bfloat16"
+    # The int8 products with int8 inputs are x86 kernels: the vision tower is not rounded, and the plan
+    # says why; the language model's int8 weights go through torch's weight-only kernel.
     assert model["vision_dtype"] == "float32" and "its int8 products are oneDNN's x86 kernels" in model["vision_why"]
-    assert model["prefill_dtype"] == "bfloat16"
+    assert model["prefill_dtype"] == "int8" and "weight-only" in model["prefill_why"]
 
 
 def test_ampere_altra_without_bf16_runs_float32_and_says_so_in_arm_terms():

@@ -406,6 +406,60 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from vlserve.bench.bandwidth import measure_read_bandwidth  # noqa: PLC0415
+    from vlserve.bench.decode import DecodeOptions, bench_decode, render  # noqa: PLC0415
+    from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
+    from vlserve.loader import check_model_directory  # noqa: PLC0415
+
+    try:
+        check_model_directory(pathlib.Path(args.model))
+    except ModelDirectoryError as error:
+        raise BadInput(str(error)) from None
+    threads = args.threads or sizing.default_threads(sizing.probe(use_libraries=False))
+    result = bench_decode(
+        DecodeOptions(
+            model=pathlib.Path(args.model),
+            levels=tuple(args.levels),
+            tokens=args.tokens,
+            rounds=args.rounds,
+            threads=threads,
+        )
+    )
+    result["read_bandwidth_bytes_per_s"] = measure_read_bandwidth(threads)["bytes_per_s"]
+    _write_json(args.output, result)
+    print(json.dumps(result, indent=2) if args.json else render(result, result["read_bandwidth_bytes_per_s"]))
+    return 0
+
+
+def cmd_quant_check(args: argparse.Namespace) -> int:
+    from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
+    from vlserve.loader import check_model_directory  # noqa: PLC0415
+    from vlserve.quantcheck import CheckOptions, quant_check, render  # noqa: PLC0415
+
+    model = pathlib.Path(args.model)
+    try:
+        check_model_directory(model)
+    except ModelDirectoryError as error:
+        raise BadInput(str(error)) from None
+    for image in args.image or ():
+        if not pathlib.Path(image).is_file():
+            raise BadInput("image %s does not exist" % image)
+    result = quant_check(
+        CheckOptions(
+            model=model,
+            levels=tuple(args.levels),
+            prompts=args.prompts,
+            answer_tokens=args.answer_tokens,
+            images=tuple(pathlib.Path(i) for i in args.image or ()),
+            threads=args.threads,
+        )
+    )
+    _write_json(args.output, result)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
 def _add_workload_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument(
         "--image-size",
@@ -575,6 +629,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_flags(tune, max_tokens=16)
     _add_policy_flags(tune)
     tune.set_defaults(handler=cmd_autotune)
+
+    decode = commands.add_parser(
+        "bench-decode", help="single-stream decode speed at each quantize level, side by side in one process"
+    )
+    decode.add_argument("--model", required=True, help="checkpoint directory")
+    decode.add_argument("--levels", nargs="+", choices=("none", "int8", "int4"), default=["none", "int8", "int4"])
+    decode.add_argument("--tokens", type=int, default=32, help="timed decode steps per round (default: 32)")
+    decode.add_argument("--rounds", type=int, default=5, help="rounds, the levels taking turns (default: 5)")
+    decode.add_argument("--threads", type=int, help="torch threads (default: the service's default)")
+    decode.add_argument("--json", action="store_true", help="print JSON")
+    decode.add_argument("--output", metavar="FILE", help="also write the result as JSON to FILE")
+    decode.set_defaults(handler=cmd_bench_decode)
+
+    check = commands.add_parser(
+        "quant-check",
+        help="what each quantize level's rounding costs on a checkpoint: next-token agreement and KL divergence",
+    )
+    check.add_argument("--model", required=True, help="checkpoint directory")
+    check.add_argument("--levels", nargs="+", choices=("int8", "int4"), default=["int8", "int4"], help="levels")
+    check.add_argument("--prompts", type=int, default=4, help="generated photos with questions (default: 4)")
+    check.add_argument("--image", action="append", help="use this image instead of generated ones (repeatable)")
+    check.add_argument("--answer-tokens", type=int, default=32, help="exact greedy answer length (default: 32)")
+    check.add_argument("--threads", type=int, help="torch threads (default: the service's default)")
+    check.add_argument("--json", action="store_true", help="print JSON")
+    check.add_argument("--output", metavar="FILE", help="also write the result as JSON to FILE")
+    check.set_defaults(handler=cmd_quant_check)
 
     bandwidth = commands.add_parser(
         "bench-bandwidth", help="memory read bandwidth, and the decode rate it allows a model's weights"

@@ -136,6 +136,7 @@ class Engine:
         self.vision_dtype: str | None = None
         self.prefill_dtype: str | None = None
         self.packed = False
+        self.quantize = "none"
         self.result_cache = LRUCache(limits.result_cache_entries)
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=_feature_bytes)
         self._prefill_copies: list = []  # layers still waiting for their prompt copy (packing.py, quantized.py)
@@ -181,6 +182,7 @@ class Engine:
     def _load_model(self, status: Callable[[str], None]) -> None:
         loaded = load_model(self.model_settings, self.limits, status)
         self.threads, self.dtype, self.packed = loaded.threads, loaded.dtype, loaded.packed
+        self.quantize = loaded.quantize
         self.vision_dtype, self.prefill_dtype = loaded.vision_dtype, loaded.prefill_dtype
         self.pad_id, self.eos_ids = loaded.pad_id, loaded.eos_ids
         self._prefill_copies, self._map_copies = loaded.prefill_copies, loaded.map_copies

@@ -27,7 +27,7 @@ from vlserve.packing import (
     packing_supported,
     pending_prefill_copies,
 )
-from vlserve.quantized import add_int8_prompt_copies, int8_products_supported
+from vlserve.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
 from vlserve.settings import LimitSettings, ModelSettings
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class LoadChoices:
     vision_dtype: str
     prefill_dtype: str
     packed: bool
+    quantize: str
     why: str
 
 
@@ -72,6 +73,7 @@ def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | 
         dtype=model.dtype,
         max_batch_size=limits.max_batch_size,
         max_context_tokens=limits.max_context_tokens,
+        quantize=model.quantize,
     )
     try:
         planned = sizing.plan(facts, policy)["model"]
@@ -83,7 +85,14 @@ def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | 
             if model.dtype != "auto"
             else ("bfloat16" if sizing.native_bfloat16(facts["cpu"]) else "float32")
         )
-        planned = {"dtype": dtype, "vision_dtype": dtype, "prefill_dtype": dtype, "packed_weights": False}
+        level = "int4" if model.quantize == "auto" else model.quantize  # the smallest, as the plan would take
+        planned = {
+            "dtype": dtype,
+            "vision_dtype": dtype,
+            "prefill_dtype": level if level != "none" else dtype,
+            "packed_weights": False,
+            "quantize": level,
+        }
         why = "no extra copies: %s" % error
     return LoadChoices(
         threads=threads,
@@ -91,6 +100,7 @@ def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | 
         vision_dtype=planned["vision_dtype"] if model.vision_dtype == "auto" else model.vision_dtype,
         prefill_dtype=planned["prefill_dtype"] if model.prefill_dtype == "auto" else model.prefill_dtype,
         packed=planned["packed_weights"] if model.packed_weights is None else model.packed_weights,
+        quantize=planned["quantize"],
         why=why,
     )
 
@@ -106,6 +116,7 @@ class LoadedModel:
     vision_dtype: str
     prefill_dtype: str
     packed: bool
+    quantize: str
     pad_id: int
     eos_ids: set[int]
     prefill_copies: list = field(default_factory=list)  # layers still waiting for their prompt copy
@@ -127,7 +138,14 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     processor.image_processor.size = {"shortest_edge": model.min_pixels, "longest_edge": model.max_pixels}
     status("loading %s weights (%d threads)" % (choices.dtype, choices.threads))
     started = time.monotonic()
-    network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, choices.dtype))
+    level = choices.quantize
+    if level == "int4" and not int4_supported():
+        log.warning("this torch build has no int4 CPU kernels: quantizing to int8 instead")
+        level = "int8"
+    # A quantized model loads in the checkpoint's dtype (from its memory map, no copy) and is converted
+    # after: loading in float32 first would hold a float32 copy of every weight for a moment.
+    load_dtype = getattr(torch, choices.dtype) if level == "none" else torch.bfloat16
+    network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=load_dtype)
     network.eval()
     vision_dtype, prefill_dtype = choices.vision_dtype, choices.prefill_dtype
     if "int8" in (vision_dtype, prefill_dtype) and not int8_products_supported():
@@ -135,18 +153,34 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         vision_dtype = "float32" if vision_dtype == "int8" else vision_dtype
         prefill_dtype = "float32" if prefill_dtype == "int8" else prefill_dtype
     packed, prefill_copies, map_copies = False, [], []
-    if choices.packed and not packing_supported(network.dtype):
+    if level != "none":
+        status("quantizing the language model to %s" % level)
+        copy = prefill_dtype if prefill_dtype not in (level, choices.dtype) else None
+        count = pack_language_model(
+            network,
+            vision_dtype=getattr(torch, vision_dtype),
+            prefill_dtype=None if copy is None else getattr(torch, copy),
+            level=level,
+            activation_dtype=getattr(torch, choices.dtype),
+        )
+        if choices.dtype != "bfloat16":
+            network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
+        prefill_dtype = copy or level
+        prefill_copies = pending_prefill_copies(network)
+        map_copies = checkpoint_copy_steps(network, load_dtype)
+        log.info("quantized %d linear layers to %s (prompts in %s)", count, level, prefill_dtype)
+    elif choices.packed and not packing_supported(network.dtype):
         log.warning("packed %s weights are not available on this CPU: decoding from plain weights", choices.dtype)
-    if choices.packed and packing_supported(network.dtype):
+    if level == "none" and choices.packed and packing_supported(network.dtype):
         status("packing weights for oneDNN")
         count = pack_language_model(
             network, vision_dtype=getattr(torch, vision_dtype), prefill_dtype=getattr(torch, prefill_dtype)
         )
         packed = True
         prefill_copies = pending_prefill_copies(network)
-        map_copies = checkpoint_copy_steps(network)
+        map_copies = checkpoint_copy_steps(network, load_dtype)
         log.info("packed %d linear layers for oneDNN (prompts in %s)", count, prefill_dtype)
-    else:
+    elif level == "none":
         convert_vision_tower(network, getattr(torch, vision_dtype))
         if prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
             add_int8_prompt_copies(network.model.language_model)
@@ -173,6 +207,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         vision_dtype=vision_dtype,
         prefill_dtype=prefill_dtype,
         packed=packed,
+        quantize=level,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         eos_ids=eos_ids,
         prefill_copies=prefill_copies,

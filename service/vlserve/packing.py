@@ -35,11 +35,12 @@ from collections.abc import Callable
 
 import torch
 
-from vlserve.quantized import INT8_PREFILL_ROWS, Int8Weight, quantize_vision_tower
+from vlserve.quantized import INT8_PREFILL_ROWS, Int4Weight, Int8Weight, quantize_vision_tower
 
 # Sibling projections of one input in Qwen3-VL's decoder layers (attention; MLP), packed together.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 PREFILL_ROWS = 64  # from here on a float32 product beats the packed bf16 one (crossover ~48 rows measured)
+LEVELS = ("none", "int8", "int4")  # the sizing policy's quantize levels
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -57,25 +58,38 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
-def _packed_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+class PackedBf16Weight:
+    """A bfloat16 weight in oneDNN's blocked layout: same math, same outputs as `F.linear`."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.packed = _pack(weight)
+        self.bias = None if bias is None else bias.detach().clone()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
 
 class PackedGroup:
     """Linear layers that always see the same input, packed as one weight: the first member called
     with an input computes every member's output, the others take theirs from it."""
 
-    def __init__(self, linears: list[torch.nn.Linear]):
+    def __init__(self, linears: list[torch.nn.Linear], make_weight: Callable):
         self.sizes = [linear.out_features for linear in linears]
-        self.packed_weight = _pack(torch.cat([linear.weight.detach() for linear in linears]))
-        self.bias = None
+        bias = None
         if any(linear.bias is not None for linear in linears):
-            self.bias = torch.cat(
+            bias = torch.cat(
                 [
                     linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias.detach()
                     for linear in linears
                 ]
             )
+        self.weight = make_weight(torch.cat([linear.weight.detach() for linear in linears]), bias)
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
         self._served = 0
@@ -83,7 +97,7 @@ class PackedGroup:
     def output(self, index: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Member `index`'s product for input `x` (`rows`: x as a matrix)."""
         if x is not self._input:
-            out = _packed_product(rows, self.packed_weight, self.bias)
+            out = self.weight.matmul(rows)
             self._outputs = [part.contiguous() for part in out.split(self.sizes, dim=-1)]
             self._input, self._served = x, 0
         self._served += 1
@@ -94,12 +108,13 @@ class PackedGroup:
 
 
 class PackedLinear(torch.nn.Module):
-    """`nn.Linear` whose weight lives in oneDNN's blocked layout, alone or in a `PackedGroup`; same math,
-    same outputs."""
+    """`nn.Linear` whose weight lives in a kernel's own layout (`make_weight`: packed bfloat16, int8,
+    int4), alone or in a `PackedGroup`; optionally with a copy in another dtype for prompts."""
 
     def __init__(
         self,
         linear: torch.nn.Linear,
+        make_weight: Callable = PackedBf16Weight,
         prefill_dtype: torch.dtype | None = None,
         group: PackedGroup | None = None,
         index: int = 0,
@@ -108,14 +123,18 @@ class PackedLinear(torch.nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.group, self.index = group, index
-        self.packed_weight = None if group is not None else _pack(linear.weight)
-        self.bias = None if linear.bias is None or group is not None else linear.bias.detach().clone()
         # Plain attributes, not buffers: nothing should copy or move them behind our back.
+        self.weight = None if group is not None else make_weight(linear.weight, linear.bias)
         self.prefill_weight = self.prefill_bias = None
         self._prefill_source: tuple[torch.Tensor, torch.Tensor | None, torch.dtype] | None = None
         if prefill_dtype is not None and prefill_dtype != linear.weight.dtype:
             bias = None if linear.bias is None else linear.bias.detach()
             self._prefill_source = (linear.weight.detach(), bias, prefill_dtype)
+
+    @property
+    def stored(self):
+        """The weight decode steps read (this layer's, or its group's)."""
+        return self.weight if self.group is None else self.group.weight
 
     @property
     def prefill_copy_pending(self) -> bool:
@@ -138,29 +157,48 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if isinstance(self.prefill_weight, Int8Weight) and rows.shape[0] >= INT8_PREFILL_ROWS:
-            out = self.prefill_weight.matmul(rows).to(x.dtype)
+            out = self.prefill_weight.matmul(rows)
         elif self.prefill_weight is not None and rows.shape[0] >= PREFILL_ROWS:
             wide = rows.to(self.prefill_weight.dtype)
-            out = torch.nn.functional.linear(wide, self.prefill_weight, self.prefill_bias).to(x.dtype)
+            out = torch.nn.functional.linear(wide, self.prefill_weight, self.prefill_bias)
         elif self.group is not None:
             out = self.group.output(self.index, x, rows)
         else:
-            out = _packed_product(rows, self.packed_weight, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+            out = self.weight.matmul(rows)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return "in_features=%d, out_features=%d, packed=onednn%s%s" % (
+        return "in_features=%d, out_features=%d, weight=%s%s%s" % (
             self.in_features,
             self.out_features,
+            type(self.stored).__name__,
             "" if self.group is None else " (part %d of %d)" % (self.index + 1, len(self.group.sizes)),
             "" if self.prefill_weight is None else ", prefill=%s" % str(self.prefill_weight.dtype).split(".")[-1],
         )
 
 
+def weight_formats(level: str, activation_dtype: torch.dtype) -> tuple[Callable, Callable]:
+    """(decoder layers', output head's) weight makers for a quantize level."""
+    if level == "none":
+        return PackedBf16Weight, PackedBf16Weight
+    head = Int8Weight  # int4 keeps the output head in int8, as llama.cpp's Q4_K_M keeps it wider
+    if level == "int8":
+        return Int8Weight, head
+    if level == "int4":
+        return functools.partial(Int4Weight, activation_dtype=activation_dtype), head
+    raise ValueError("quantize level must be one of %s, not %r" % (", ".join(LEVELS), level))
+
+
 def pack_language_model(
-    model: torch.nn.Module, vision_dtype: torch.dtype | None = None, prefill_dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    vision_dtype: torch.dtype | None = None,
+    prefill_dtype: torch.dtype | None = None,
+    *,
+    level: str = "none",
+    activation_dtype: torch.dtype = torch.bfloat16,
 ) -> int:
-    """Pack every linear layer of the text decoder and the output head; returns how many were packed.
+    """Put every linear layer of the text decoder and the output head in the layout of `level`
+    (none: oneDNN-packed bfloat16; int8; int4); returns how many layers were converted.
 
     `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower is not packed: it runs
     once per image on hundreds of rows at a time, where the plain kernels are already compute-bound;
@@ -168,23 +206,25 @@ def pack_language_model(
     quantizes its linear layers (vlserve/quantized.py).
     `prefill_dtype`: the decoder layers' copy for prompts (the head only ever sees the last row), made
     later by `make_prefill_copy` on each layer that `pending_prefill_copies` lists.
+    `activation_dtype`: what the int4 kernel is fed (the dtype the rest of the model will run in).
     """
     convert_vision_tower(model, vision_dtype)
+    decoder_weight, head_weight = weight_formats(level, activation_dtype)
     count = 0
     text = model.model.language_model
     for parent in list(text.modules()):
         for names in FUSED_PROJECTIONS:
             linears = [getattr(parent, name, None) for name in names]
             if all(isinstance(linear, torch.nn.Linear) for linear in linears):
-                group = PackedGroup(linears)
+                group = PackedGroup(linears, decoder_weight)
                 for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
-                    setattr(parent, name, PackedLinear(linear, prefill_dtype, group, index))
+                    setattr(parent, name, PackedLinear(linear, decoder_weight, prefill_dtype, group, index))
                 count += len(names)
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, PackedLinear(child, prefill_dtype))
+                setattr(parent, name, PackedLinear(child, decoder_weight, prefill_dtype))
                 count += 1
-    model.lm_head = PackedLinear(model.lm_head)
+    model.lm_head = PackedLinear(model.lm_head, head_weight)
     return count + 1
 
 
@@ -201,7 +241,7 @@ def pending_prefill_copies(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if getattr(m, "prefill_copy_pending", False)]
 
 
-def checkpoint_copy_steps(model: torch.nn.Module) -> list[Callable[[], None]]:
+def checkpoint_copy_steps(model: torch.nn.Module, checkpoint_dtype: torch.dtype) -> list[Callable[[], None]]:
     """One step per parameter or buffer still in the safetensors memory map, each copying it out.
 
     Once they have run (and the prefill copies, whose sources are views of the map, are made) the
@@ -209,7 +249,6 @@ def checkpoint_copy_steps(model: torch.nn.Module) -> list[Callable[[], None]]:
     per scheduler pass, as it does the prefill copies: the biggest, the input embedding, is 0.6 GB
     of fresh memory, 0.5-1.6 s on this project's VMs.
     """
-    converted = {id(p) for p in model.model.visual.parameters() if p.dtype != model.lm_head.packed_weight.dtype}
     steps: list[Callable[[], None]] = []
 
     def copy_parameter(parameter: torch.nn.Parameter) -> None:
@@ -220,7 +259,7 @@ def checkpoint_copy_steps(model: torch.nn.Module) -> list[Callable[[], None]]:
         module._buffers[name] = module._buffers[name].clone()
 
     for parameter in model.parameters():
-        if id(parameter) not in converted:  # a converted tensor is a copy already
+        if parameter.dtype == checkpoint_dtype:  # a tensor converted to another dtype is a copy already
             steps.append(functools.partial(copy_parameter, parameter))
     for module in model.modules():
         for name, buffer in module._buffers.items():

@@ -1,32 +1,64 @@
-"""Dynamic int8 matrix products for the compute-bound work: the vision tower and prompts (opt-in).
+"""Quantized weights: int8 (per output channel, dynamic int8 inputs) and int4 (groups of 32).
 
-Without AMX, this project's 2-core Sapphire Rapids VM multiplies float32 matrices at ~220-300
-GFLOP/s and bfloat16 ones no faster, while `torch._int_mm` (oneDNN, AVX-512 VNNI) reaches
-~1000 int8 GOP/s: with the per-row quantization of the input around it, ~800-950. A 448x448 image
-through the vision tower measured 2.84 s in float32 and 1.39 s in int8, a 224-token prompt through
-the text decoder 2.43 s and 1.14 s.
+The sizing policy's `quantize` level picks them (docs/service.md says what each level rounds):
 
-The scheme is the usual W8A8 dynamic one (torch's `quantize_dynamic`, OpenVINO's CPU dynamic
-quantization): each weight row (output channel) gets its own scale, computed once at load; each
-input row (token or patch) gets its own scale at every call. The int32 products are exact; the
-error is the rounding of weights and inputs to 255 levels. That changes the model's numerics, which
-is why nothing turns it on by default: the sizing policy's `quantize: int8` does, per host.
-Decoding (one row per sequence, memory-bound) stays on the bfloat16 weights.
+- int8: every linear layer of the language model and the output head is stored as int8, one
+  float32 scale per output channel; each input row (a token, a patch) is rounded to int8 with its
+  own scale at every call, and the integer product is exact (the usual W8A8 dynamic scheme of
+  torch's `quantize_dynamic` and OpenVINO's CPU plugin). The products are oneDNN's prepacked int8
+  kernels (`torch.ops.onednn.qlinear_*`, the ones torch's own x86 quantization lowers to): a
+  decode step reads half the bytes of bfloat16, and prompts and images, which are compute-bound,
+  run on VNNI's int8 rate. Where those kernels are missing (a torch build without oneDNN, Arm),
+  `torch._weight_int8pack_mm` multiplies the same weights with exact inputs.
+- int4: the decoder's linear layers in 4 bits, groups of 32 weights along the input sharing a
+  scale and a zero point (min/max, as llama.cpp's Q4_1 blocks of 32), through torch's
+  `_weight_int4pack_mm_for_cpu`; the output head stays int8 (as llama.cpp's Q4_K_M keeps it wider).
+  That kernel dequantizes on the fly and is slow on many rows, so prompts may use an int8 copy.
+
+Measured with torch 2.13 at 2 threads, forty 6144x2048 products (a working set beyond the cache),
+one row, side by side: packed bfloat16 23.1 ms, int8 11.9 ms, int4 (any group of 32-128) 7.1 ms;
+at 64 rows packed bfloat16 and int8 are compute-bound (int8 about 1.8x faster) and int4 2.5x slower
+than bfloat16. Groups of 32 cost 0.125 bytes per weight in scales (128: 0.03) for the same speed
+and half the rounding error of 128 on outlier rows, so 32.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 INT8_MAX = 127
 INT8_PREFILL_ROWS = 16  # int8 overtakes the packed bf16 product from ~8 rows (2048x6144: 1.4 vs 2.4 ms at 16)
+INT4_GROUP = 32
+INT4_LEVELS = 15
+INT4_ROW_BLOCK = 16  # the int4 kernel's layout holds outputs in blocks of 16
+QUANTIZE_CHUNK_ROWS = 4096  # rows quantized at a time: the output head's float32 temporaries stay ~32 MB
+
+
+@functools.cache
+def onednn_int8_supported() -> bool:
+    """Whether this torch build has oneDNN's prepacked int8 products for this CPU (x86)."""
+    try:
+        _onednn_product(_onednn_pack(torch.ones(8, 32, dtype=torch.int8)), torch.ones(1, 32), torch.ones(8), None)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def int8_products_supported() -> bool:
-    """Whether this torch build multiplies int8 matrices on this CPU (oneDNN's x86 kernels)."""
+    """Whether int8 inputs times int8 weights run here (the int8 vision tower and prompt copies need them)."""
+    return onednn_int8_supported()
+
+
+@functools.cache
+def int4_supported() -> bool:
+    """Whether this torch build has the int4 CPU kernels (`_weight_int4pack_mm_for_cpu`)."""
     try:
-        torch._int_mm(torch.ones(32, 32, dtype=torch.int8), torch.ones(32, 32, dtype=torch.int8))
-    except (RuntimeError, NotImplementedError):
+        Int4Weight(torch.ones(INT4_ROW_BLOCK, INT4_GROUP), activation_dtype=torch.float32).matmul(
+            torch.ones(1, INT4_GROUP)
+        )
+    except (AttributeError, RuntimeError, NotImplementedError):
         return False
     return True
 
@@ -39,27 +71,122 @@ def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
-class Int8Weight:
-    """A linear layer's weight (and bias) quantized per output channel, multiplied in int8."""
+def _in_chunks(matrix: torch.Tensor, quantize) -> tuple[torch.Tensor, ...]:
+    """`quantize` on QUANTIZE_CHUNK_ROWS rows at a time, results concatenated."""
+    parts = [
+        quantize(matrix[start : start + QUANTIZE_CHUNK_ROWS])
+        for start in range(0, matrix.shape[0], QUANTIZE_CHUNK_ROWS)
+    ]
+    return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.values, self.scales = quantize_rows(weight.detach())  # (out, in) int8, (out,) float32
-        self.bias = None if bias is None else bias.detach().float()
+
+def _onednn_pack(values: torch.Tensor) -> torch.Tensor:
+    return torch.ops.onednn.qlinear_prepack(values, [1, values.shape[1]])
+
+
+def _onednn_product(packed: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """rows (n, in) float -> (n, out) float32: inputs to int8 per row, shifted to uint8 with zero point 128
+    (oneDNN's u8s8 kernels), the int32 sums rescaled by the weight's scales, then by each row's."""
+    values, row_scales = quantize_rows(rows)
+    shifted = (values.to(torch.int16) + 128).to(torch.uint8)
+    zeros = torch.zeros(scales.shape[0], dtype=torch.long)
+    out = torch.ops.onednn.qlinear_pointwise(
+        shifted, 1.0, 128, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    out.mul_(row_scales[:, None])
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+class Int8Weight:
+    """A linear layer's weight (and bias) as int8 per output channel; `matmul` rounds its inputs per row."""
 
     dtype = torch.int8
 
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        values, self.scales = _in_chunks(weight.detach(), quantize_rows)  # (out, in) int8, (out,) float32
+        self.bias = None if bias is None else bias.detach().float()
+        self.shape = tuple(values.shape)
+        if onednn_int8_supported():
+            self.values, self.packed = None, _onednn_pack(values)
+        else:
+            self.values, self.packed = values, None
+
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        stored = self.packed if self.packed is not None else self.values
+        return stored.nbytes + self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (n, in) of any float dtype -> (n, out) float32."""
-        values, scales = quantize_rows(rows)
-        out = torch._int_mm(values, self.values.t()).float()
-        out.mul_(scales[:, None]).mul_(self.scales)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out
+        if self.packed is not None:
+            return _onednn_product(self.packed, rows, self.scales, self.bias)
+        out = torch._weight_int8pack_mm(rows.float(), self.values, self.scales)  # exact inputs, any CPU
+        return out if self.bias is None else out.add_(self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this one stands for (tests); a packed one is read back through products
+        with the identity, whose rows quantize exactly."""
+        if self.packed is None:
+            return self.values.float() * self.scales[:, None]
+        return _onednn_product(self.packed, torch.eye(self.shape[1]), self.scales, None).t().contiguous()
+
+
+def _int4_groups(matrix: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of `group` inputs: (levels 0..15 as int32, scales, zeros) with
+    weight ~= (level - 8) * scale + zero, the convention of torch's int4 kernels."""
+    rows, columns = matrix.shape
+    grouped = matrix.float().reshape(rows, columns // group, group)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = ((high - low) / INT4_LEVELS).clamp_(min=torch.finfo(torch.float32).tiny)
+    levels = ((grouped - low[..., None]) / scales[..., None]).round_().clamp_(0, INT4_LEVELS)
+    return levels.to(torch.int32).reshape(rows, columns), scales, low + 8 * scales
+
+
+class Int4Weight:
+    """A linear layer's weight as 4-bit levels in groups of `group` inputs, in the int4 kernel's layout."""
+
+    dtype = torch.quint4x2
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        activation_dtype: torch.dtype,
+        group: int = INT4_GROUP,
+    ):
+        rows, columns = weight.shape
+        if columns % group or rows % INT4_ROW_BLOCK:
+            raise ValueError(
+                "int4 needs inputs in groups of %d and outputs in blocks of %d, not a %dx%d weight"
+                % (group, INT4_ROW_BLOCK, rows, columns)
+            )
+        levels, scales, zeros = _in_chunks(weight.detach(), functools.partial(_int4_groups, group=group))
+        self.shape, self.group, self.activation_dtype = (rows, columns), group, activation_dtype
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 1)
+        # (groups, out, 2) in the activations' dtype, as the kernel wants them.
+        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(activation_dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().to(activation_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (n, in) -> (n, out) in the activation dtype."""
+        out = self._product(rows)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(
+            rows.to(self.activation_dtype), self.packed, self.group, self.scales_and_zeros
+        )
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this one stands for, read back through a product with the identity."""
+        return self._product(torch.eye(self.shape[1], dtype=self.activation_dtype)).float().t().contiguous()
 
 
 class Int8Linear(torch.nn.Module):

@@ -40,7 +40,14 @@ class ModelSettings(BaseSettings):
         "matrix products are slower than float32 ones, and the encoder is compute-bound); int8: dynamic "
         "int8 products (AVX-512 VNNI; about twice as fast, changes the numerics; never chosen by auto)",
     )
-    prefill_dtype: Literal["auto", "bfloat16", "float32", "int8"] = Field(
+    quantize: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="rounding of the language model's weights: none (exact); int8 (its linear layers and the "
+        "output head in int8 per output channel, inputs rounded per row; half the bytes per token); int4 "
+        "(the decoder's linear layers in 4-bit groups of 32, the head int8; a third of the bytes); auto: as "
+        "the sizing plan for this process decides (none wherever it fits)",
+    )
+    prefill_dtype: Literal["auto", "bfloat16", "float32", "int8", "int4"] = Field(
         "auto",
         description="dtype of prompt-sized products in a packed bfloat16 model; auto: float32 unless the CPU "
         "has AMX (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8, in "

@@ -62,13 +62,16 @@ def candidates(facts: dict, base: sizing.Policy, options: AutotuneOptions) -> li
 
 def describe(plan: dict) -> str:
     model = plan["model"]
-    return "%d worker(s) x %s threads, batch %d, %s%s%s" % (
+    return "%d worker(s) x %s threads, batch %d, %s%s%s%s" % (
         plan["workers"]["count"],
         "/".join(str(t) for t in sorted(set(plan["workers"]["threads"]))),
         model["max_batch_size"],
         model["dtype"],
         ", packed" if model["packed_weights"] else "",
-        ", %s prompts" % model["prefill_dtype"] if model["prefill_dtype"] != model["dtype"] else "",
+        ", %s weights" % model["quantize"] if model["quantize"] != "none" else "",
+        ", %s prompts" % model["prefill_dtype"]
+        if model["prefill_dtype"] not in (model["dtype"], model["quantize"])
+        else "",
     )
 
 
@@ -81,6 +84,7 @@ def plan_key(plan: dict) -> tuple:
         plan["model"]["packed_weights"],
         plan["model"]["vision_dtype"],
         plan["model"]["prefill_dtype"],
+        plan["model"]["quantize"],
     )
 
 

@@ -84,6 +84,7 @@ def naive_settings(model: Path) -> dict[str, str]:
         "result_cache_entries": "0",
         "vision_cache_bytes": "0",
         "packed_weights": "false",
+        "quantize": "none",
         "warmup": "false",
     }
 
@@ -185,7 +186,9 @@ def measure_config(config: _Config, options: CompareOptions) -> dict:
         for server in servers:
             server.stop()
     return {
-        "server": {k: info.get(k) for k in ("dtype", "vision_dtype", "prefill_dtype", "threads", "packed_weights")},
+        "server": {
+            k: info.get(k) for k in ("dtype", "vision_dtype", "prefill_dtype", "threads", "packed_weights", "quantize")
+        },
         "workers": len(urls),
         "ready_s": _median(startups),
         "ready_runs_s": startups,
@@ -236,7 +239,7 @@ def _plan_summary(plan: dict) -> dict:
         "threads": plan["workers"]["threads"],
         **{
             key: plan["model"][key]
-            for key in ("dtype", "max_batch_size", "packed_weights", "vision_dtype", "prefill_dtype")
+            for key in ("dtype", "max_batch_size", "packed_weights", "vision_dtype", "prefill_dtype", "quantize")
         },
     }
 
@@ -246,7 +249,7 @@ def compare(options: CompareOptions) -> dict:
     policy = options.policy or sizing.Policy()
     plan = sizing.plan(facts, policy)
     configs = {"naive": None, "tuned": plan}
-    if options.int8_column and policy.quantize == "none" and sizing.int8_products(facts["cpu"]):
+    if options.int8_column and plan["model"]["quantize"] == "none" and sizing.int8_products(facts["cpu"]):
         configs["tuned_int8"] = sizing.plan(facts, replace(policy, quantize="int8"))
     worker = plan["worker_list"][0]
     _say(options, "plan: %d worker(s), %s" % (plan["workers"]["count"], plan["model"]["dtype"]))

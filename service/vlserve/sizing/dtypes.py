@@ -43,14 +43,19 @@ def packed_weights_supported(cpu: dict[str, Any]) -> bool:
     return not is_arm(cpu)
 
 
-def plan_dtype(cpu: dict[str, Any], footprint: ModelFootprint, policy: Policy, available: int) -> tuple[str, str]:
-    """The language model's dtype: bfloat16 where the CPU computes it natively, else float32 if it fits."""
+def plan_dtype(
+    cpu: dict[str, Any], footprint: ModelFootprint, policy: Policy, available: int, quantize: str = "none"
+) -> tuple[str, str]:
+    """The language model's dtype (what is not quantized, and the activations): bfloat16 where the CPU
+    computes it natively, else float32 if it fits."""
     if policy.dtype != "auto":
         return policy.dtype, "set by policy"
     if native_bfloat16(cpu):
         return "bfloat16", "the CPU has %s: half the memory traffic per token" % bfloat16_feature(cpu)
     lacking = "no Arm BF16 (bf16)" if is_arm(cpu) else "no AVX-512 BF16 or AMX"
-    as_float32 = worker_memory(footprint, "float32", policy.max_batch_size, policy.max_context_tokens)
+    as_float32 = worker_memory(
+        footprint, "float32", policy.max_batch_size, policy.max_context_tokens, quantize=quantize
+    )
     if as_float32["high_bytes"] <= available:
         return "float32", "%s: bfloat16 would be emulated" % lacking
     return "bfloat16", (
@@ -65,7 +70,7 @@ def plan_vision_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") -
     Only AMX makes bfloat16 matrix products faster than float32 ones; with AVX-512 BF16 alone, oneDNN's
     bf16 GEMMs measured 174-190 GFLOP/s against 283 for float32 on a 2-core Sapphire Rapids VM (the
     vision encoder: 3.4 s in bf16, 1.95 s in float32 for a 448x448 image). Decoding is memory-bound
-    and stays in `dtype`. With the policy's quantize=int8 and VNNI, int8 (vlserve/quantized.py).
+    and stays in `dtype`. At a quantize level and with VNNI, int8 (vlserve/quantized.py).
     """
     return _compute_dtype(
         cpu,
@@ -84,8 +89,24 @@ def plan_prefill_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") 
     hundred tokens is a matrix product as big as the vision tower's. Without AMX, float32 GEMMs beat
     oneDNN's packed bfloat16 ones from about 48 rows on (0.66-0.72 of the time at 128-256 rows, on a
     2-core Sapphire Rapids VM), so a bfloat16 worker keeps a float32 copy of the decoder's linear
-    layers for prompts of 64 tokens or more. With the policy's quantize=int8 and VNNI, an int8 copy.
+    layers for prompts of 64 tokens or more. At quantize=int8 prompts run on the int8 weights
+    themselves; at int4 (whose kernel is slow on many rows) through an int8 copy where int8 products
+    are fast (VNNI), else on the int4 weights.
     """
+    if quantize == "int8" and is_arm(cpu):
+        return (
+            "int8",
+            "quantize=int8: prompts on the int8 weights through torch's weight-only kernel (not measured on Arm)",
+        )
+    if quantize == "int8":
+        return "int8", "quantize=int8: prompts run on the int8 weights themselves (no copy)"
+    if quantize == "int4":
+        if int8_products(cpu):
+            return (
+                "int8",
+                "quantize=int4: an int8 copy for prompts (the int4 kernel is 2.5x slower than int8 on many rows)",
+            )
+        return "int4", "quantize=int4: prompts on the int4 weights (int8 products are not fast here)"
     return _compute_dtype(
         cpu,
         dtype,
@@ -106,10 +127,13 @@ def _compute_dtype(cpu: dict[str, Any], dtype: str, quantize: str, *, work: str,
         chosen = "float32", "as on x86 without AMX: bfloat16 matrix products on Arm are not measured faster here"
     else:
         chosen = "float32", float32_why
-    if quantize != "int8":
+    if quantize == "none":
         return chosen
     if is_arm(cpu):
-        return chosen[0], chosen[1] + "; quantize=int8 not applied: its int8 products are oneDNN's x86 kernels"
+        return chosen[0], chosen[1] + "; not int8: its int8 products are oneDNN's x86 kernels"
     if not int8_products(cpu):
-        return chosen[0], chosen[1] + "; quantize=int8 not applied: no AVX-512 VNNI or AMX (int8 would be slower)"
-    return "int8", "quantize=int8: %s through dynamic int8 products (AVX-512 VNNI/AMX; numerics change)" % work
+        return chosen[0], chosen[1] + "; not int8: no AVX-512 VNNI or AMX (int8 would be slower)"
+    return "int8", "quantize=%s: %s through dynamic int8 products (AVX-512 VNNI/AMX; numerics change)" % (
+        quantize,
+        work,
+    )

@@ -51,14 +51,18 @@ def capacity_needed(budget: dict[str, Any], policy: Policy, worker_bytes: int) -
     return max(base + GIB, -(-base * 20 // 19))  # the reserve is 5% of the capacity itself
 
 
-def too_small(footprint: ModelFootprint, dtype: str, policy: Policy, budget: dict[str, Any], smallest: int) -> str:
+def too_small(
+    footprint: ModelFootprint, dtype: str, policy: Policy, budget: dict[str, Any], smallest: int, *, quantize: str
+) -> str:
     """Why one worker does not fit, naming the limit that binds and what to change."""
-    full = worker_memory(footprint, dtype, policy.max_batch_size, policy.max_context_tokens)["high_bytes"]
+    full = worker_memory(footprint, dtype, policy.max_batch_size, policy.max_context_tokens, quantize=quantize)[
+        "high_bytes"
+    ]
     needed = capacity_needed(budget, policy, smallest)
     head = "one %s worker needs %s in %s (%s with batch 1 and a %d-token context), but %s leaves %s for workers" % (
         footprint.name,
         gib(full),
-        dtype,
+        dtype if quantize == "none" else "%s with quantize=%s" % (dtype, quantize),
         gib(smallest),
         MIN_CONTEXT_TOKENS,
         budget["available_why"],
@@ -92,6 +96,7 @@ class WorkerFit:
     vision_why: str
     prefill_dtype: str
     prefill_why: str
+    quantize: str
 
 
 def fit_worker(
@@ -102,6 +107,7 @@ def fit_worker(
     budget: dict[str, Any],
     *,
     wanted_workers: int,
+    quantize: str = "none",
 ) -> WorkerFit:
     """The largest batch, then context, up to the policy's, with which one worker fits in `available`.
 
@@ -112,7 +118,7 @@ def fit_worker(
     """
     available = budget["available_bytes"]
     batch, context = policy.max_batch_size, policy.max_context_tokens
-    extras: dict[str, Any] = {}
+    extras: dict[str, Any] = {"quantize": quantize}
 
     def affordable(**extra: Any) -> bool:
         with_it = worker_memory(footprint, dtype, batch, context, **extras, **extra)["high_bytes"]
@@ -121,17 +127,22 @@ def fit_worker(
             return False
         return min(wanted_workers, available // with_it) >= min(wanted_workers, available // without)
 
-    vision_dtype, vision_why = plan_vision_dtype(cpu, dtype, policy.quantize)
+    vision_dtype, vision_why = plan_vision_dtype(cpu, dtype, quantize)
     if vision_dtype != dtype:
         if affordable(vision_dtype=vision_dtype):
             extras["vision_dtype"] = vision_dtype
         else:
             vision_dtype, vision_why = (
                 dtype,
-                "as the language model: a %s copy would cost the batch or a worker" % (vision_dtype),
+                "as the language model: a copy in %s would cost the batch or a worker" % (vision_dtype),
             )
     packed = False
-    if dtype != "bfloat16":
+    if quantize != "none":
+        packed_why = "quantize=%s: the language model's linear layers in %s, in their kernel's layout" % (
+            quantize,
+            quantize,
+        )
+    elif dtype != "bfloat16":
         packed_why = "not packed: packing applies to bfloat16 weights only"
     elif not packed_weights_supported(cpu):
         packed_why = "not packed: the packed kernels are oneDNN's x86 ones; %s decodes from plain weights" % cpu["arch"]
@@ -140,8 +151,8 @@ def fit_worker(
         packed_why = "bfloat16: the language model's weights are packed for oneDNN at load (faster decode)"
     else:
         packed_why = "not packed: the packed output head's extra copy would cost the batch or a worker"
-    prefill_dtype, prefill_why = plan_prefill_dtype(cpu, dtype, policy.quantize)
-    if prefill_dtype != dtype:
+    prefill_dtype, prefill_why = plan_prefill_dtype(cpu, dtype, quantize)
+    if prefill_dtype not in (dtype, quantize):
         if not packed and prefill_dtype != "int8":  # an int8 copy also serves unpacked (float32) models
             prefill_dtype, prefill_why = (
                 dtype,
@@ -151,8 +162,8 @@ def fit_worker(
             extras["prefill_dtype"] = prefill_dtype
         else:
             prefill_dtype, prefill_why = (
-                dtype,
-                "as the language model: a %s copy of its linear layers would cost the batch or a worker"
+                dtype if quantize == "none" else quantize,
+                "as the language model: a copy of its linear layers in %s would cost the batch or a worker"
                 % prefill_dtype,
             )
     while True:
@@ -164,7 +175,7 @@ def fit_worker(
         elif context > MIN_CONTEXT_TOKENS:
             context = max(MIN_CONTEXT_TOKENS, context // 2)
         else:
-            raise PlanError(too_small(footprint, dtype, policy, budget, need["high_bytes"]))
+            raise PlanError(too_small(footprint, dtype, policy, budget, need["high_bytes"], quantize=quantize))
     if (batch, context) == (policy.max_batch_size, policy.max_context_tokens):
         why = "batch %d x %d tokens as the policy asks" % (batch, context)
     else:
@@ -186,4 +197,5 @@ def fit_worker(
         vision_why=vision_why,
         prefill_dtype=prefill_dtype,
         prefill_why=prefill_why,
+        quantize=quantize,
     )

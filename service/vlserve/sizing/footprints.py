@@ -49,6 +49,11 @@ FOOTPRINTS = {
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 COMPUTE_BYTES = DTYPE_BYTES | {"int8": 1}  # the vision tower's and the prefill copy's dtypes may also be int8
+# Bytes per weight of the decoder's linear layers at each quantize level, scales included
+# (vlserve/quantized.py): int8 one float32 scale per output row (~0); int4 half a byte plus a
+# scale and a zero point (bfloat16, 4 bytes) per group of 32. The output head is int8 at both.
+QUANTIZED_BYTES_PER_8_WEIGHTS = {"int8": 8, "int4": 5}
+QUANTIZE_LEVELS = ("none", *QUANTIZED_BYTES_PER_8_WEIGHTS)
 
 # A worker refuses new requests (503, memory_pressure) once its anonymous memory passes this share of
 # MemoryHigh, before the kernel starts throttling it (vlserve/engine.py reads it from its own cgroup).
@@ -66,29 +71,36 @@ def worker_memory(
     packed: bool = False,
     vision_dtype: str | None = None,
     prefill_dtype: str | None = None,
+    quantize: str = "none",
 ) -> dict[str, int]:
     """Per-worker memory: steady state (weights + KV + activations + runtime) and the load peak.
 
     `packed`: the service's oneDNN-packed bfloat16 weights (vlserve/packing.py), where the tied output
     head gets its own copy. `vision_dtype`: the vision tower's, when it differs from `dtype`.
     `prefill_dtype`: when it differs from `dtype`, a second copy of the text decoder's linear layers
-    in that dtype for prompts (vlserve/packing.py).
+    in that dtype for prompts (vlserve/packing.py). `quantize`: int8 or int4 decoder linear layers and
+    an int8 copy of the tied output head, the rest (embedding, norms, vision tower) in `dtype`.
     """
     width = DTYPE_BYTES[dtype]
     weights = footprint.parameters * width
-    if packed:
+    if quantize != "none":
+        weights -= footprint.text_linear_parameters * width
+        weights += footprint.text_linear_parameters * QUANTIZED_BYTES_PER_8_WEIGHTS[quantize] // 8
+        weights += footprint.tied_head_parameters  # its int8 copy
+    elif packed:
         weights += footprint.tied_head_parameters * width
     if vision_dtype is not None:
         weights += footprint.vision_parameters * (COMPUTE_BYTES[vision_dtype] - width)
-    if prefill_dtype is not None and prefill_dtype != dtype:
+    if prefill_dtype is not None and prefill_dtype not in (dtype, quantize):
         weights += footprint.text_linear_parameters * COMPUTE_BYTES[prefill_dtype]
     kv_tokens = batch_size * (context_tokens + KV_CHUNK_TOKENS)  # each sequence's buffer may hold a chunk spare
     kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * kv_tokens
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
     # Loading into another dtype than the checkpoint's holds both copies for a moment
     # (measured: float32 from a bf16 checkpoint peaks at 12.3 GB for 8.3 GB steady).
+    # A quantized model loads in the checkpoint's dtype from its memory map and converts layer by layer.
     peak = weights + footprint.runtime_bytes
-    if dtype != footprint.checkpoint_dtype:
+    if dtype != footprint.checkpoint_dtype and quantize == "none":
         peak += footprint.parameters * DTYPE_BYTES[footprint.checkpoint_dtype]
     high = max(steady, peak)
     return {

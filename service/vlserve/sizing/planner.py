@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from .common import PLAN_SCHEMA, gib
+from .common import PLAN_SCHEMA, PlanError, gib
 from .cores import place_workers, plan_cores
 from .dtypes import plan_dtype
 from .fitting import WorkerFit, fit_worker, plan_memory_budget
-from .footprints import FOOTPRINTS
+from .footprints import FOOTPRINTS, QUANTIZE_LEVELS
 from .knobs import plan_knobs
 from .policy import Policy
 from .validate import check_facts
@@ -29,9 +29,8 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
 
     cores = plan_cores(cpu, limits, policy)
     budget = plan_memory_budget(memory, limits, policy, facts["platform"])
-    dtype, dtype_why = plan_dtype(cpu, footprint, policy, budget["available_bytes"])
     wanted = cores["count_by_cores"] if policy.max_workers is None else min(cores["count_by_cores"], policy.max_workers)
-    fit = fit_worker(footprint, dtype, cpu, policy, budget, wanted_workers=wanted)
+    dtype, dtype_why, fit, quantize_why = _fit_at_a_level(footprint, cpu, policy, budget, wanted)
     per_worker, batch, context = fit.memory, fit.batch, fit.context
     by_memory = budget["available_bytes"] // per_worker["high_bytes"]
     workers = place_workers(cores["by_node"], policy, by_memory)
@@ -66,6 +65,8 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
             "vision_why": fit.vision_why,
             "prefill_dtype": fit.prefill_dtype,
             "prefill_why": fit.prefill_why,
+            "quantize": fit.quantize,
+            "quantize_why": quantize_why,
             "footprint_provenance": footprint.provenance,
         },
         "cores": {key: cores[key] for key in ("allowed", "candidates", "housekeeping", "usable", "why")},
@@ -94,6 +95,39 @@ def plan(facts: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
         "worker_list": worker_list,
         "knobs": plan_knobs(facts, policy, cores, count * per_worker["high_bytes"] + budget["reserve_bytes"]),
     }
+
+
+def _fit_at_a_level(
+    footprint, cpu: dict[str, Any], policy: Policy, budget: dict[str, Any], wanted: int
+) -> tuple[str, str, WorkerFit, str]:
+    """(dtype, why, fit, quantize_why): the policy's level, or on auto the exact weights wherever one
+    worker fits and else the widest level that does. A refusal at an explicit level names the level
+    that would fit."""
+    levels = QUANTIZE_LEVELS if policy.quantize == "auto" else (policy.quantize,)
+    refusals: list[str] = []
+    for level in levels:
+        dtype, dtype_why = plan_dtype(cpu, footprint, policy, budget["available_bytes"], level)
+        try:
+            fit = fit_worker(footprint, dtype, cpu, policy, budget, wanted_workers=wanted, quantize=level)
+        except PlanError as error:
+            refusals.append(str(error))
+            continue
+        if policy.quantize != "auto":
+            return dtype, dtype_why, fit, "set by policy"
+        if level == "none":
+            return dtype, dtype_why, fit, "auto: exact weights, one worker fits"
+        return dtype, dtype_why, fit, "auto: %s, as the exact weights do not fit (%s)" % (level, refusals[0])
+    message = refusals[-1]
+    if policy.quantize != "auto":
+        for level in QUANTIZE_LEVELS[QUANTIZE_LEVELS.index(policy.quantize) + 1 :]:
+            dtype, _ = plan_dtype(cpu, footprint, policy, budget["available_bytes"], level)
+            try:
+                fit_worker(footprint, dtype, cpu, policy, budget, wanted_workers=wanted, quantize=level)
+            except PlanError:
+                continue
+            message += "; or take quantize: %s, with which one worker fits" % level
+            break
+    raise PlanError(message)
 
 
 def _worker_entries(
@@ -131,6 +165,7 @@ def _worker_entries(
                     "VLSERVE_PACKED_WEIGHTS": "true" if fit.packed else "false",
                     "VLSERVE_VISION_DTYPE": fit.vision_dtype,
                     "VLSERVE_PREFILL_DTYPE": fit.prefill_dtype,
+                    "VLSERVE_QUANTIZE": fit.quantize,
                 },
             }
         )

@@ -9,7 +9,7 @@ from typing import Any
 
 from .common import GIB, MIB
 from .cpulist import format_cpu_list, parse_cpu_list
-from .footprints import DTYPE_BYTES, FOOTPRINTS
+from .footprints import DTYPE_BYTES, FOOTPRINTS, QUANTIZE_LEVELS
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,12 @@ class Policy:
         metadata={"help": "auto (bfloat16 with AVX-512 BF16 or AMX, else float32 if it fits), bfloat16 or float32"},
     )
     quantize: str = field(
-        default="none",
+        default="auto",
         metadata={
-            "help": "none, or int8: images and prompts through dynamic int8 products (AVX-512 VNNI or AMX; "
-            "faster first token, changed numerics)"
+            "help": "rounding of the weights: none (exact), int8 (the language model's linear layers and the "
+            "output head in int8, inputs rounded per row; images too with AVX-512 VNNI or AMX), int4 (the "
+            "decoder's linear layers in 4-bit groups of 32, the head int8); auto: none wherever one worker "
+            "fits, else the widest level that does"
         },
     )
     min_threads_per_worker: int = field(
@@ -80,8 +82,8 @@ class Policy:
             bad("model", "one of " + ", ".join(sorted(FOOTPRINTS)))
         if self.dtype not in ("auto", *DTYPE_BYTES):
             bad("dtype", "auto, bfloat16 or float32")
-        if self.quantize not in ("none", "int8"):
-            bad("quantize", "none or int8")
+        if self.quantize not in ("auto", *QUANTIZE_LEVELS):
+            bad("quantize", "auto, none, int8 or int4")
         for name, low, high in (
             ("min_threads_per_worker", 1, 1024),
             ("max_batch_size", 1, 256),

@@ -65,6 +65,7 @@ def render_plan(result: dict[str, Any]) -> str:
         ("workers", "%d  (%s)" % (result["workers"]["count"], result["workers"]["why"])),
         ("dtype", "%s  (%s)" % (result["model"]["dtype"], result["model"]["why"])),
         ("batch", result["model"]["batch_why"]),
+        ("quantize", "%s  (%s)" % (result["model"]["quantize"], result["model"]["quantize_why"])),
         ("weights", result["model"]["packed_why"]),
         ("vision", "%s  (%s)" % (result["model"]["vision_dtype"], result["model"]["vision_why"])),
         ("prefill", "%s  (%s)" % (result["model"]["prefill_dtype"], result["model"]["prefill_why"])),

@@ -35,6 +35,7 @@ async def readyz(engine: EngineDep):
         "background_steps_pending": engine.background_steps_pending,
         "threads": engine.threads,
         "packed_weights": engine.packed,
+        "quantize": engine.quantize,
     }
 
 
