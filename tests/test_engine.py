@@ -277,16 +277,22 @@ def test_prompt_sized_products_run_on_the_float32_copy_once_it_is_made():
     )
 
 
-@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
-def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path, packed):
+    """Packed (oneDNN bf16) or plain bfloat16 layers (CPUs without AVX-512 BF16): the same copies for prompts."""
+    if packed and not packing_supported(torch.bfloat16):
+        pytest.skip("this CPU has no oneDNN bf16 kernels")
     directory = tmp_path / "tiny-bf16"
     assert run_tool("vlserve", "make-test-model", str(directory)).returncode == 0
     engine = Engine(
-        ModelSettings(model=directory, dtype="bfloat16", packed_weights=True, prefill_dtype="float32"),
+        ModelSettings(model=directory, dtype="bfloat16", packed_weights=packed, prefill_dtype="float32"),
         LimitSettings(max_batch_size=2, max_context_tokens=1024, request_timeout_s=30),
     )
     engine.load()
     try:
+        assert engine.packed == packed
+        kinds = {type(m.stored).__name__ for m in engine.model.modules() if isinstance(m, PackedLinear)}
+        assert kinds == {"PackedBf16Weight" if packed else "PlainWeight"}
         layers = 7 * engine.model.config.text_config.num_hidden_layers  # the head never sees a prompt
         assert engine.prefill_dtype == "float32" and engine.prefill_copies_pending == layers
         engine.warmup()

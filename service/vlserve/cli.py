@@ -424,6 +424,8 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             tokens=args.tokens,
             rounds=args.rounds,
             threads=threads,
+            dtype=args.dtype,
+            prompt_tokens=args.prompt_tokens,
         )
     )
     result["read_bandwidth_bytes_per_s"] = measure_read_bandwidth(threads)["bytes_per_s"]
@@ -638,6 +640,13 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--tokens", type=int, default=32, help="timed decode steps per round (default: 32)")
     decode.add_argument("--rounds", type=int, default=5, help="rounds, the levels taking turns (default: 5)")
     decode.add_argument("--threads", type=int, help="torch threads (default: the service's default)")
+    decode.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="the rest's dtype (default: as planned)",
+    )
+    decode.add_argument("--prompt-tokens", type=int, default=256, help="prompt timed once per round (default: 256)")
     decode.add_argument("--json", action="store_true", help="print JSON")
     decode.add_argument("--output", metavar="FILE", help="also write the result as JSON to FILE")
     decode.set_defaults(handler=cmd_bench_decode)

@@ -149,9 +149,10 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     network.eval()
     vision_dtype, prefill_dtype = choices.vision_dtype, choices.prefill_dtype
     if "int8" in (vision_dtype, prefill_dtype) and not int8_products_supported():
-        log.warning("int8 products are not available on this CPU (oneDNN's x86 kernels): images and prompts in float32")
+        # Prompts fall back to the model's own weights: a float32 copy would be 4x the int8 one the plan counted.
+        log.warning("int8 products are not available on this CPU (oneDNN's x86 kernels): images in float32")
         vision_dtype = "float32" if vision_dtype == "int8" else vision_dtype
-        prefill_dtype = "float32" if prefill_dtype == "int8" else prefill_dtype
+        prefill_dtype = choices.dtype if prefill_dtype == "int8" else prefill_dtype
     packed, prefill_copies, map_copies = False, [], []
     if level != "none":
         status("quantizing the language model to %s" % level)
@@ -161,7 +162,6 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
             vision_dtype=getattr(torch, vision_dtype),
             prefill_dtype=None if copy is None else getattr(torch, copy),
             level=level,
-            activation_dtype=getattr(torch, choices.dtype),
         )
         if choices.dtype != "bfloat16":
             network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
@@ -169,24 +169,31 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         prefill_copies = pending_prefill_copies(network)
         map_copies = checkpoint_copy_steps(network, load_dtype)
         log.info("quantized %d linear layers to %s (prompts in %s)", count, level, prefill_dtype)
-    elif choices.packed and not packing_supported(network.dtype):
-        log.warning("packed %s weights are not available on this CPU: decoding from plain weights", choices.dtype)
-    if level == "none" and choices.packed and packing_supported(network.dtype):
-        status("packing weights for oneDNN")
-        count = pack_language_model(
-            network, vision_dtype=getattr(torch, vision_dtype), prefill_dtype=getattr(torch, prefill_dtype)
-        )
-        packed = True
-        prefill_copies = pending_prefill_copies(network)
-        map_copies = checkpoint_copy_steps(network, load_dtype)
-        log.info("packed %d linear layers for oneDNN (prompts in %s)", count, prefill_dtype)
-    elif level == "none":
-        convert_vision_tower(network, getattr(torch, vision_dtype))
-        if prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
-            add_int8_prompt_copies(network.model.language_model)
+    else:
+        packed = choices.packed and packing_supported(network.dtype)
+        if choices.packed and not packed:
+            log.warning("packed %s weights are not available on this CPU: decoding from plain weights", choices.dtype)
+        # A bfloat16 model whose prompts want a float32 copy keeps its layers in the service's own
+        # linear layers even unpacked (CPUs without oneDNN's bf16 kernels, docs/sizing.md).
+        plain_with_copy = network.dtype == torch.bfloat16 and prefill_dtype == "float32"
+        if packed or plain_with_copy:
+            status("packing weights for oneDNN" if packed else "taking the weights out of the checkpoint")
+            count = pack_language_model(
+                network,
+                vision_dtype=getattr(torch, vision_dtype),
+                prefill_dtype=getattr(torch, prefill_dtype),
+                packed=packed,
+            )
             prefill_copies = pending_prefill_copies(network)
+            map_copies = checkpoint_copy_steps(network, load_dtype)
+            log.info("%s %d linear layers (prompts in %s)", "packed" if packed else "took", count, prefill_dtype)
         else:
-            prefill_dtype = choices.dtype  # a float32 or bf16 prefill copy lives in the packed layers
+            convert_vision_tower(network, getattr(torch, vision_dtype))
+            if prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
+                add_int8_prompt_copies(network.model.language_model)
+                prefill_copies = pending_prefill_copies(network)
+            else:
+                prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
     tokenizer = processor.tokenizer
     eos = network.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}

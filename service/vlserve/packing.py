@@ -75,6 +75,24 @@ class PackedBf16Weight:
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
 
+class PlainWeight:
+    """A weight as it is, owned (copied out of the checkpoint's map), multiplied by `F.linear`: for CPUs
+    without oneDNN's bf16 kernels, where bfloat16 weights still halve the bytes a decode step reads
+    (held to AVX2: 90 ms a token against float32's 309) and prompts want a float32 copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.detach().clone()
+        self.dtype = self.weight.dtype
+        self.bias = None if bias is None else bias.detach().clone()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(rows.to(self.dtype), self.weight, self.bias)
+
+
 class PackedGroup:
     """Linear layers that always see the same input, packed as one weight: the first member called
     with an input computes every member's output, the others take theirs from it."""
@@ -177,15 +195,16 @@ class PackedLinear(torch.nn.Module):
         )
 
 
-def weight_formats(level: str, activation_dtype: torch.dtype) -> tuple[Callable, Callable]:
-    """(decoder layers', output head's) weight makers for a quantize level."""
+def weight_formats(level: str, packed: bool = True) -> tuple[Callable, Callable | None]:
+    """(decoder layers', output head's) weight makers for a quantize level; at none, oneDNN-packed
+    bfloat16 or (`packed` False) plain weights, where the tied head stays the embedding's (None)."""
     if level == "none":
-        return PackedBf16Weight, PackedBf16Weight
+        return (PackedBf16Weight, PackedBf16Weight) if packed else (PlainWeight, None)
     head = Int8Weight  # int4 keeps the output head in int8, as llama.cpp's Q4_K_M keeps it wider
     if level == "int8":
         return Int8Weight, head
     if level == "int4":
-        return functools.partial(Int4Weight, activation_dtype=activation_dtype), head
+        return Int4Weight, head
     raise ValueError("quantize level must be one of %s, not %r" % (", ".join(LEVELS), level))
 
 
@@ -195,10 +214,11 @@ def pack_language_model(
     prefill_dtype: torch.dtype | None = None,
     *,
     level: str = "none",
-    activation_dtype: torch.dtype = torch.bfloat16,
+    packed: bool = True,
 ) -> int:
     """Put every linear layer of the text decoder and the output head in the layout of `level`
-    (none: oneDNN-packed bfloat16; int8; int4); returns how many layers were converted.
+    (none: oneDNN-packed bfloat16, or plain weights where `packed` is False; int8; int4); returns how
+    many layers were converted.
 
     `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower is not packed: it runs
     once per image on hundreds of rows at a time, where the plain kernels are already compute-bound;
@@ -206,10 +226,9 @@ def pack_language_model(
     quantizes its linear layers (vlserve/quantized.py).
     `prefill_dtype`: the decoder layers' copy for prompts (the head only ever sees the last row), made
     later by `make_prefill_copy` on each layer that `pending_prefill_copies` lists.
-    `activation_dtype`: what the int4 kernel is fed (the dtype the rest of the model will run in).
     """
     convert_vision_tower(model, vision_dtype)
-    decoder_weight, head_weight = weight_formats(level, activation_dtype)
+    decoder_weight, head_weight = weight_formats(level, packed)
     count = 0
     text = model.model.language_model
     for parent in list(text.modules()):
@@ -224,6 +243,8 @@ def pack_language_model(
             if isinstance(child, torch.nn.Linear):
                 setattr(parent, name, PackedLinear(child, decoder_weight, prefill_dtype))
                 count += 1
+    if head_weight is None:
+        return count
     model.lm_head = PackedLinear(model.lm_head, head_weight)
     return count + 1
 

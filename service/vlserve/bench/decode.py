@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from vlserve.kvcache import new_cache
 from vlserve.loader import load_model
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -28,6 +29,8 @@ class DecodeOptions:
     tokens: int = 32
     rounds: int = 5
     threads: int | None = None
+    dtype: str = "auto"  # what is not quantized (and the exact level): as the plan, or forced
+    prompt_tokens: int = 256
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -47,37 +50,57 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _step_times(model: Any, tokens: int) -> list[float]:
-    ids = torch.arange(100, 164)[None]
+def _timings(model: Any, tokens: int, prompt_tokens: int) -> tuple[float, list[float]]:
+    """(prefill seconds of a `prompt_tokens` text prompt, decode step seconds), as the engine runs them:
+    its growing KV cache, logits of the last position only."""
+    cache = new_cache(model.config.text_config.num_hidden_layers)
+    ids = torch.arange(100, 100 + prompt_tokens)[None]
     with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        started = time.perf_counter()
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        prefill = time.perf_counter() - started
+        token = out.logits[:, -1:].argmax(-1)
         times = []
         for _ in range(tokens):
             started = time.perf_counter()
-            out = model(input_ids=token, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=token, cache=out.cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - started)
-    return times
+    return prefill, times
 
 
 def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     loaded = {}
     for level in options.levels:
-        settings = ModelSettings(model=options.model, quantize=level, threads=options.threads, warmup=False)
+        settings = ModelSettings(
+            model=options.model, quantize=level, dtype=options.dtype, threads=options.threads, warmup=False
+        )
         loaded[level] = load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
-        for step in loaded[level].map_copies:  # as a settled worker: nothing left in the checkpoint's map
+        for layer in loaded[level].prefill_copies:  # as a settled worker: prompt copies made,
+            layer.make_prefill_copy()
+        for step in loaded[level].map_copies:  # nothing left in the checkpoint's map
             step()
     per_level: dict[str, list[float]] = {level: [] for level in options.levels}
+    prefills: dict[str, list[float]] = {level: [] for level in options.levels}
     for _ in range(options.rounds):
         for level in options.levels:
-            per_level[level].append(statistics.median(_step_times(loaded[level].model, options.tokens)))
-    result: dict[str, Any] = {"tokens": options.tokens, "rounds": options.rounds, "levels": {}}
+            prefill, steps = _timings(loaded[level].model, options.tokens, options.prompt_tokens)
+            per_level[level].append(statistics.median(steps))
+            prefills[level].append(prefill)
+    result: dict[str, Any] = {
+        "tokens": options.tokens,
+        "rounds": options.rounds,
+        "prompt_tokens": options.prompt_tokens,
+        "levels": {},
+    }
     for level, medians in per_level.items():
         step = statistics.median(medians)
         result["levels"][level] = {
             "quantize": loaded[level].quantize,
             "dtype": loaded[level].dtype,
+            "prefill_dtype": loaded[level].prefill_dtype,
+            "prefill_s": statistics.median(prefills[level]),
+            "prefill_s_range": [min(prefills[level]), max(prefills[level])],
             "step_ms": step * 1e3,
             "step_ms_range": [min(medians) * 1e3, max(medians) * 1e3],
             "tokens_per_s": 1 / step,
@@ -91,24 +114,27 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
 
 def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
     lines = [
-        "| level | step (median, range of %d rounds) | tokens/s | vs first | GB read per token | of its bound |"
-        % result["rounds"],
-        "|---|---|---|---|---|---|",
+        "| level | dtype | decode step (median, range of %d rounds) | tokens/s | vs first | GB read per token "
+        "| of its bound | %d-token prompt |" % (result["rounds"], result["prompt_tokens"]),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for level, f in result["levels"].items():
         bound = (
             "" if bandwidth is None else "%.0f%%" % (100 * f["tokens_per_s"] * f["decode_bytes_per_token"] / bandwidth)
         )
         lines.append(
-            "| %s | %.1f ms (%.1f-%.1f) | %.2f | %.2fx | %.2f | %s |"
+            "| %s | %s | %.1f ms (%.1f-%.1f) | %.2f | %.2fx | %.2f | %s | %.2f s (%s) |"
             % (
                 level,
+                f["dtype"],
                 f["step_ms"],
                 *f["step_ms_range"],
                 f["tokens_per_s"],
                 f["speedup"],
                 f["decode_bytes_per_token"] / 1e9,
                 bound,
+                f["prefill_s"],
+                f["prefill_dtype"],
             )
         )
     return "\n".join(lines)

@@ -24,7 +24,7 @@ The modules, in the order a plan is made:
 from .common import FACTS_SCHEMA, GIB, MIB, PLAN_SCHEMA, PlanError
 from .cores import default_threads
 from .cpulist import format_cpu_list, parse_cpu_list
-from .dtypes import int8_products, native_bfloat16, plan_prefill_dtype, plan_vision_dtype
+from .dtypes import auto_levels, int8_products, native_bfloat16, plan_prefill_dtype, plan_vision_dtype
 from .footprints import (
     COMPUTE_BYTES,
     DTYPE_BYTES,
@@ -57,6 +57,7 @@ __all__ = [
     "ModelFootprint",
     "PlanError",
     "Policy",
+    "auto_levels",
     "check_facts",
     "check_policy_fits",
     "default_threads",

@@ -33,25 +33,51 @@ def native_bfloat16(cpu: dict[str, Any]) -> bool:
 
 
 def int8_products(cpu: dict[str, Any]) -> bool:
-    """Whether the service's int8 products are fast here: AVX-512 VNNI or AMX (~4x float32's rate
-    measured). They run on oneDNN's x86 kernels; Arm's i8mm is not used by them."""
-    return not is_arm(cpu) and bool(cpu["isa"].get("avx512_vnni") or cpu["isa"].get("amx_int8"))
+    """Whether the service's int8 products (oneDNN's u8s8 kernels) beat float32 on compute-bound work
+    here: x86 with AVX2 or better. Measured on 64-row products (24 x 6144x2048, 2 threads): with AVX-512
+    VNNI int8 27 ms against float32 321 ms; the same CPU held to AVX2 (ATEN_CPU_CAPABILITY=avx2,
+    ONEDNN_MAX_CPU_ISA=AVX2) int8 114 ms against float32 250 ms and emulated bfloat16 678 ms.
+    Arm's i8mm is not used by these kernels."""
+    isa = cpu["isa"]
+    return not is_arm(cpu) and bool(isa.get("avx2") or isa.get("avx512_vnni") or isa.get("amx_int8"))
+
+
+def int8_decodes_fast(cpu: dict[str, Any]) -> bool:
+    """Whether int8 weights decode faster than int4 ones here: with VNNI or AMX (one row, 24 x 6144x2048,
+    2 threads: int8 5.7 ms, int4 4.5 ms, close). Held to AVX2 the same products took int8 22.5 ms,
+    int4 15.4 ms and plain bfloat16 14.3 ms: without VNNI, int8 is the slower and the larger."""
+    isa = cpu["isa"]
+    return is_arm(cpu) or bool(isa.get("avx512_vnni") or isa.get("amx_int8"))
+
+
+def auto_levels(cpu: dict[str, Any]) -> tuple[tuple[str, ...], str]:
+    """The quantize levels `auto` tries, in order, and why int8 is left out where it is."""
+    if int8_decodes_fast(cpu):
+        return ("none", "int8", "int4"), ""
+    return ("none", "int4"), "int8 left out: without AVX-512 VNNI its decode measured slower than int4's"
 
 
 def packed_weights_supported(cpu: dict[str, Any]) -> bool:
-    """The service packs bfloat16 weights with oneDNN's x86 kernels (vlserve/packing.py)."""
-    return not is_arm(cpu)
+    """The service packs bfloat16 weights with oneDNN's x86 bf16 kernels (vlserve/packing.py), which
+    need AVX-512 BF16 or AMX."""
+    return not is_arm(cpu) and native_bfloat16(cpu)
 
 
 def plan_dtype(
     cpu: dict[str, Any], footprint: ModelFootprint, policy: Policy, available: int, quantize: str = "none"
 ) -> tuple[str, str]:
     """The language model's dtype (what is not quantized, and the activations): bfloat16 where the CPU
-    computes it natively, else float32 if it fits."""
+    computes it natively or has AVX2 (decoding is memory-bound), else float32 if it fits."""
     if policy.dtype != "auto":
         return policy.dtype, "set by policy"
     if native_bfloat16(cpu):
         return "bfloat16", "the CPU has %s: half the memory traffic per token" % bfloat16_feature(cpu)
+    if not is_arm(cpu) and cpu["isa"].get("avx2"):
+        return "bfloat16", (
+            "no AVX-512 BF16 or AMX, but a decode step reads half the bytes in bfloat16: held to AVX2, "
+            "plain bfloat16 weights decoded a token in 90 ms against float32's 309 (docs/benchmarks.md); "
+            "prompts and images, which are compute-bound, get float32 where it fits"
+        )
     lacking = "no Arm BF16 (bf16)" if is_arm(cpu) else "no AVX-512 BF16 or AMX"
     as_float32 = worker_memory(
         footprint, "float32", policy.max_batch_size, policy.max_context_tokens, quantize=quantize
@@ -132,8 +158,8 @@ def _compute_dtype(cpu: dict[str, Any], dtype: str, quantize: str, *, work: str,
     if is_arm(cpu):
         return chosen[0], chosen[1] + "; not int8: its int8 products are oneDNN's x86 kernels"
     if not int8_products(cpu):
-        return chosen[0], chosen[1] + "; not int8: no AVX-512 VNNI or AMX (int8 would be slower)"
-    return "int8", "quantize=%s: %s through dynamic int8 products (AVX-512 VNNI/AMX; numerics change)" % (
+        return chosen[0], chosen[1] + "; not int8: no AVX2 (int8 would be slower)"
+    return "int8", "quantize=%s: %s through dynamic int8 products (numerics change)" % (
         quantize,
         work,
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .common import GIB, PlanError, gib
-from .dtypes import packed_weights_supported, plan_prefill_dtype, plan_vision_dtype
+from .dtypes import is_arm, packed_weights_supported, plan_prefill_dtype, plan_vision_dtype
 from .footprints import MIN_CONTEXT_TOKENS, ModelFootprint, worker_memory
 from .policy import Policy
 
@@ -144,16 +144,21 @@ def fit_worker(
         )
     elif dtype != "bfloat16":
         packed_why = "not packed: packing applies to bfloat16 weights only"
-    elif not packed_weights_supported(cpu):
+    elif is_arm(cpu):
         packed_why = "not packed: the packed kernels are oneDNN's x86 ones; %s decodes from plain weights" % cpu["arch"]
+    elif not packed_weights_supported(cpu):
+        packed_why = "not packed: oneDNN's packed bfloat16 needs AVX-512 BF16 or AMX; plain bfloat16 weights"
     elif affordable(packed=True):
         extras["packed"] = packed = True
         packed_why = "bfloat16: the language model's weights are packed for oneDNN at load (faster decode)"
     else:
         packed_why = "not packed: the packed output head's extra copy would cost the batch or a worker"
     prefill_dtype, prefill_why = plan_prefill_dtype(cpu, dtype, quantize)
+    # A copy needs the service's own linear layers: packed, or plain bfloat16 on x86 (vlserve/packing.py);
+    # an int8 one also serves unpacked float32 models.
+    copies_possible = packed or (dtype == "bfloat16" and not is_arm(cpu)) or prefill_dtype == "int8"
     if prefill_dtype not in (dtype, quantize):
-        if not packed and prefill_dtype != "int8":  # an int8 copy also serves unpacked (float32) models
+        if not copies_possible:
             prefill_dtype, prefill_why = (
                 dtype,
                 "as the language model: the %s prefill copy comes with packing" % (prefill_dtype),

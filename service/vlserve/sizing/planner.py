@@ -12,7 +12,7 @@ from typing import Any
 
 from .common import PLAN_SCHEMA, PlanError, gib
 from .cores import place_workers, plan_cores
-from .dtypes import plan_dtype
+from .dtypes import auto_levels, plan_dtype
 from .fitting import WorkerFit, fit_worker, plan_memory_budget
 from .footprints import FOOTPRINTS, QUANTIZE_LEVELS
 from .knobs import plan_knobs
@@ -103,7 +103,8 @@ def _fit_at_a_level(
     """(dtype, why, fit, quantize_why): the policy's level, or on auto the exact weights wherever one
     worker fits and else the widest level that does. A refusal at an explicit level names the level
     that would fit."""
-    levels = QUANTIZE_LEVELS if policy.quantize == "auto" else (policy.quantize,)
+    order, order_why = auto_levels(cpu)
+    levels = order if policy.quantize == "auto" else (policy.quantize,)
     refusals: list[str] = []
     for level in levels:
         dtype, dtype_why = plan_dtype(cpu, footprint, policy, budget["available_bytes"], level)
@@ -116,10 +117,12 @@ def _fit_at_a_level(
             return dtype, dtype_why, fit, "set by policy"
         if level == "none":
             return dtype, dtype_why, fit, "auto: exact weights, one worker fits"
-        return dtype, dtype_why, fit, "auto: %s, as the exact weights do not fit (%s)" % (level, refusals[0])
+        why = "auto: %s, as the exact weights do not fit (%s)" % (level, refusals[0])
+        return dtype, dtype_why, fit, why + ("; " + order_why if order_why else "")
     message = refusals[-1]
     if policy.quantize != "auto":
-        for level in QUANTIZE_LEVELS[QUANTIZE_LEVELS.index(policy.quantize) + 1 :]:
+        smaller = QUANTIZE_LEVELS[QUANTIZE_LEVELS.index(policy.quantize) + 1 :]
+        for level in [level for level in order if level in smaller]:
             dtype, _ = plan_dtype(cpu, footprint, policy, budget["available_bytes"], level)
             try:
                 fit_worker(footprint, dtype, cpu, policy, budget, wanted_workers=wanted, quantize=level)
