@@ -165,15 +165,20 @@ def test_compare_runs_naive_and_tuned_and_fills_every_figure(tiny_model, tmp_pat
     assert set(data["targets"]) == set(data["figures"])
     assert data["bandwidth"]["decode_bytes_per_token"] == decode_bytes_per_token(tiny_model, plan["model"]["dtype"])
     assert "| throughput, 4 clients (requests/min) |" in result.stdout
-    # Where int8 products are fast, the plan with quantize=int8 is measured beside it, never instead.
-    if sizing.int8_products(sizing.probe()["cpu"]):
-        int8 = data["tuned_int8"]
-        assert (int8["server"]["vision_dtype"], int8["server"]["prefill_dtype"]) == ("int8", "int8")
-        assert int8["latency"]["completed"] == 2 and int8["throughput"]["completed"] == 4
-        assert set(int8["targets"]) == set(data["targets"])
-        assert "| tuned, int8 | int8/naive |" in result.stdout
-    else:
-        assert "tuned_int8" not in data
+    # The plan at the other quantize levels is measured beside it, never instead.
+    assert plan["model"]["quantize"] == "none"
+    for level in ("int8", "int4"):
+        column = data["tuned_" + level]
+        assert column["server"]["quantize"] == level and column["plan"]["quantize"] == level
+        assert column["latency"]["completed"] == 2 and column["throughput"]["completed"] == 4
+        assert set(column["targets"]) == set(data["targets"])
+        assert "| tuned, %s | %s/naive |" % (level, level) in result.stdout
+        assert "tuned, %s: the plan with quantize=%s" % (level, level) in result.stdout
+    assert (
+        data["bandwidth"]["decode_bytes_per_token"]
+        > data["tuned_int8"]["decode_bytes_per_token"]
+        > data["tuned_int4"]["decode_bytes_per_token"]
+    )
 
 
 def test_autotune_ranks_the_plan_and_writes_host_vars_the_role_accepts(tiny_model, tmp_path):

@@ -342,7 +342,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
             cache_pairs=args.cache_pairs,
             startup_runs=args.startup_runs,
             policy=policy,
-            int8_column=args.int8_column,
+            level_columns=args.level_columns,
         )
     )
     _write_json(args.output, result)
@@ -384,7 +384,7 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     threads = args.threads or sizing.default_threads(sizing.probe(use_libraries=False))
     result = measure_read_bandwidth(threads, size_bytes=args.buffer_bytes)
     if args.model:
-        per_token = decode_bytes_per_token(pathlib.Path(args.model), args.dtype)
+        per_token = decode_bytes_per_token(pathlib.Path(args.model), args.dtype, args.quantize)
         result.update(decode_bytes_per_token=per_token, decode_bound_tokens_per_s=result["bytes_per_s"] / per_token)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -400,8 +400,8 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     )
     if args.model:
         print(
-            "a decode step reads %.2f GB of %s weights: one stream decodes at most %.2f tokens/s"
-            % (result["decode_bytes_per_token"] / 1e9, args.dtype, result["decode_bound_tokens_per_s"])
+            "a decode step reads %.2f GB of %s weights (quantize=%s): one stream decodes at most %.2f tokens/s"
+            % (result["decode_bytes_per_token"] / 1e9, args.dtype, args.quantize, result["decode_bound_tokens_per_s"])
         )
     return 0
 
@@ -603,10 +603,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--cache-pairs", type=int, default=2, help="pairs for the cache figures (default: 2)")
     compare.add_argument("--startup-runs", type=int, default=2, help="starts per configuration (default: 2)")
     compare.add_argument(
-        "--no-int8-column",
-        dest="int8_column",
+        "--no-level-columns",
+        dest="level_columns",
         action="store_false",
-        help="skip the extra column for the plan with quantize=int8 (measured where the CPU has fast int8)",
+        help="skip the extra columns for the plan at the other quantize levels (int8, int4)",
     )
     _add_workload_flags(compare, max_tokens=32)
     _add_policy_flags(compare)
@@ -670,6 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bandwidth.add_argument("--model", help="checkpoint directory: also print its decode bound")
     bandwidth.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights dtype")
+    bandwidth.add_argument(
+        "--quantize", choices=("none", "int8", "int4"), default="none", help="quantize level of the weights"
+    )
     bandwidth.add_argument("--threads", type=int, help="reading threads (default: the service's default)")
     bandwidth.add_argument("--buffer-bytes", type=int, help="buffer size (default: max(1 GiB, 4 x last-level cache))")
     bandwidth.add_argument("--json", action="store_true", help="print JSON")

@@ -13,6 +13,8 @@ import struct
 import time
 from pathlib import Path
 
+from vlserve.sizing import QUANTIZED_BYTES_PER_8_WEIGHTS
+
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "bfloat16": 2, "float32": 4}
 
 
@@ -78,14 +80,17 @@ def safetensors_index(model: Path) -> dict[str, tuple[str, int]]:
     return tensors
 
 
-def decode_bytes_per_token(model: Path, dtype: str) -> int:
+def decode_bytes_per_token(model: Path, dtype: str, quantize: str = "none") -> int:
     """Bytes of weights one decode step reads at `dtype`: the language model without its input
-    embedding table, plus the output head (the embedding's weights again when they are tied)."""
+    embedding table, plus the output head (the embedding's weights again when they are tied).
+    At a quantize level the decoder's linear layers read their quantized bytes (scales included) and
+    the head one byte a weight (vlserve/quantized.py)."""
     tensors = safetensors_index(model)
     config = json.loads((model / "config.json").read_text())
     tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
     width = DTYPE_BYTES[dtype]
     total = 0
+    linear = 0
     embedding = 0
     head = 0
     for name, (_, count) in tensors.items():
@@ -95,7 +100,11 @@ def decode_bytes_per_token(model: Path, dtype: str) -> int:
             embedding = count
         elif name.startswith("lm_head"):
             head = count
+        elif name.endswith("_proj.weight"):
+            linear += count
         else:
             total += count
     head = head or (embedding if tied else 0)
-    return (total + head) * width
+    if quantize == "none":
+        return (total + linear + head) * width
+    return total * width + linear * QUANTIZED_BYTES_PER_8_WEIGHTS[quantize] // 8 + head

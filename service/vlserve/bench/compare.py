@@ -52,7 +52,7 @@ class CompareOptions:
     cache_pairs: int = 2
     startup_runs: int = 2
     policy: sizing.Policy | None = None
-    int8_column: bool = True  # also measure the plan with quantize=int8, where the CPU has fast int8 products
+    level_columns: bool = True  # also measure the plan at the other quantize levels (int8, int4)
     progress: bool = True
 
 
@@ -103,7 +103,7 @@ def _median(values: list[float]) -> float | None:
 
 
 class _Config:
-    """A named way of starting the service: naive (one process), or a plan's workers (tuned, tuned_int8)."""
+    """A named way of starting the service: naive (one process), or a plan's workers (tuned, tuned_int8, ...)."""
 
     def __init__(self, name: str, options: CompareOptions, plan: dict | None):
         self.name, self.options, self.plan = name, options, plan
@@ -249,8 +249,10 @@ def compare(options: CompareOptions) -> dict:
     policy = options.policy or sizing.Policy()
     plan = sizing.plan(facts, policy)
     configs = {"naive": None, "tuned": plan}
-    if options.int8_column and plan["model"]["quantize"] == "none" and sizing.int8_products(facts["cpu"]):
-        configs["tuned_int8"] = sizing.plan(facts, replace(policy, quantize="int8"))
+    if options.level_columns:  # the plan at each other quantize level, measured beside it, never instead
+        for level in ("int8", "int4"):
+            if level != plan["model"]["quantize"]:
+                configs["tuned_" + level] = sizing.plan(facts, replace(policy, quantize=level))
     worker = plan["worker_list"][0]
     _say(options, "plan: %d worker(s), %s" % (plan["workers"]["count"], plan["model"]["dtype"]))
 
@@ -265,7 +267,7 @@ def compare(options: CompareOptions) -> dict:
 
     results = {name: measure_config(_Config(name, options, p), options) for name, p in configs.items()}
     naive, tuned = results["naive"], results["tuned"]
-    bytes_per_token = decode_bytes_per_token(options.model, tuned["server"]["dtype"])
+    bytes_per_token = decode_bytes_per_token(options.model, tuned["server"]["dtype"], plan["model"]["quantize"])
     bound = bandwidth["bytes_per_s"] / bytes_per_token
     tuned_tpot = tuned["latency"]["tpot_s"]["p50"]
     figures = _figures(naive, tuned, bound)
@@ -296,22 +298,28 @@ def compare(options: CompareOptions) -> dict:
         "figures": figures,
         "targets": _targets(figures),
     }
-    if "tuned_int8" in results:
-        # The same plan with the policy's quantize=int8: opt-in, so reported beside the plan, not as it.
-        int8_figures = _figures(naive, results["tuned_int8"], bound)
-        result["tuned_int8"] = results["tuned_int8"] | {
-            "plan": _plan_summary(configs["tuned_int8"]),
-            "figures": int8_figures,
-            "targets": _targets(int8_figures),
+    for name in [name for name in results if name.startswith("tuned_")]:
+        level = configs[name]["model"]["quantize"]
+        level_bound = bandwidth["bytes_per_s"] / decode_bytes_per_token(
+            options.model, results[name]["server"]["dtype"], level
+        )
+        level_figures = _figures(naive, results[name], level_bound)
+        result[name] = results[name] | {
+            "plan": _plan_summary(configs[name]),
+            "decode_bytes_per_token": decode_bytes_per_token(options.model, results[name]["server"]["dtype"], level),
+            "figures": level_figures,
+            "targets": _targets(level_figures),
         }
     return result
 
 
 def render_compare(result: dict) -> str:
-    """A Markdown table: figure, naive, tuned, tuned/naive (and the int8 column's pair), target."""
+    """A Markdown table: figure, naive, tuned, tuned/naive (and each quantize level's pair), target."""
     naive, tuned, targets = result["naive"], result["tuned"], result["targets"]
-    int8 = result.get("tuned_int8")
-    columns = [("tuned", "tuned/naive", tuned)] + ([("tuned, int8", "int8/naive", int8)] if int8 else [])
+    levels = {name.removeprefix("tuned_"): result[name] for name in ("tuned_int8", "tuned_int4") if name in result}
+    columns = [("tuned", "tuned/naive", tuned)] + [
+        ("tuned, %s" % level, "%s/naive" % level, config) for level, config in levels.items()
+    ]
     clients = result["workload"]["clients"]
 
     def row(title, pick, fmt, *, ratio=True, target=""):
@@ -329,8 +337,11 @@ def render_compare(result: dict) -> str:
         target = targets[name]
         sign = "<=" if target["way"] == "max" else ">="
         said = "%s %.3g: %s" % (sign, target["limit"], "met" if target["met"] else "NOT met")
-        if int8:
-            said += " (int8: %s)" % ("met" if int8["targets"][name]["met"] else "NOT met")
+        if levels:
+            said += " (%s)" % ", ".join(
+                "%s: %s" % (level, "met" if config["targets"][name]["met"] else "NOT met")
+                for level, config in levels.items()
+            )
         return said
 
     def cache_ratio(config):
@@ -394,11 +405,20 @@ def render_compare(result: dict) -> str:
             met("decode_fraction_of_bound"),
         ),
     ]
-    if int8:
+    for level, config in levels.items():
+        tpot = config["latency"]["tpot_s"]["p50"]
         lines.append(
-            "tuned, int8: the plan with the policy's quantize=int8 (opt-in: the vision tower and prompts "
-            "through dynamic int8 products, vision %s, prompts %s; decoding as tuned)."
-            % (int8["plan"]["vision_dtype"], int8["plan"]["prefill_dtype"])
+            "tuned, %s: the plan with quantize=%s (vision %s, prompts %s): a decode step reads %.2f GB, "
+            "single stream %.2f tokens/s = %.0f%% of its own bound."
+            % (
+                level,
+                level,
+                config["plan"]["vision_dtype"],
+                config["plan"]["prefill_dtype"],
+                config["decode_bytes_per_token"] / 1e9,
+                1 / tpot if tpot else 0.0,
+                100 * (config["figures"]["decode_fraction_of_bound"] or 0.0),
+            )
         )
     return "\n".join(lines)
 

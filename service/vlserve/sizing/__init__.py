@@ -32,6 +32,8 @@ from .footprints import (
     KV_CHUNK_TOKENS,
     MEMORY_GUARD_FRACTION,
     MIN_CONTEXT_TOKENS,
+    QUANTIZE_LEVELS,
+    QUANTIZED_BYTES_PER_8_WEIGHTS,
     ModelFootprint,
     worker_memory,
 )
@@ -53,6 +55,8 @@ __all__ = [
     "MIB",
     "MIN_CONTEXT_TOKENS",
     "PLAN_SCHEMA",
+    "QUANTIZED_BYTES_PER_8_WEIGHTS",
+    "QUANTIZE_LEVELS",
     "FactsError",
     "ModelFootprint",
     "PlanError",
