@@ -25,7 +25,10 @@ class Policy:
     model: str = field(default="qwen3-vl-2b-instruct", metadata={"help": "model footprint to size for"})
     dtype: str = field(
         default="auto",
-        metadata={"help": "auto (bfloat16 with AVX-512 BF16 or AMX, else float32 if it fits), bfloat16 or float32"},
+        metadata={
+            "help": "auto (bfloat16 with AVX-512 BF16, AMX, Arm BF16 or AVX2, else float32 if it fits), bfloat16 "
+            "or float32"
+        },
     )
     quantize: str = field(
         default="auto",
