@@ -16,10 +16,10 @@ The sizing policy's `quantize` level picks them (docs/service.md says what each 
   That kernel dequantizes on the fly and is slow on many rows, so prompts may use an int8 copy.
 
 Measured with torch 2.13 at 2 threads, forty 6144x2048 products (a working set beyond the cache),
-one row, side by side: packed bfloat16 23.1 ms, int8 11.9 ms, int4 (any group of 32-128) 7.1 ms;
-at 64 rows packed bfloat16 and int8 are compute-bound (int8 about 1.8x faster) and int4 2.5x slower
-than bfloat16. Groups of 32 cost 0.125 bytes per weight in scales (128: 0.03) for the same speed
-and half the rounding error of 128 on outlier rows, so 32.
+one row, in one process: packed bfloat16 14.3 ms, int8 10.8 ms, int4 7.5 ms (groups of 32) and
+7.1 ms (128); at 64 rows (eight products) packed bfloat16 14.5 ms, oneDNN int8 8.1 ms, int4 36.4 ms.
+Groups of 32 cost 0.125 bytes per weight in scales (128: 0.03) for about the same speed, and each
+group's range, so its rounding step, is narrower: 32, as llama.cpp's blocks.
 """
 
 from __future__ import annotations
@@ -145,9 +145,9 @@ def _int4_groups(matrix: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
 class Int4Weight:
     """A linear layer's weight as 4-bit levels in groups of `group` inputs, in the int4 kernel's layout.
 
-    The kernel is fed bfloat16 whatever the model's dtype: its float32 path is ~50x slower (measured
-    37 ms against 0.7 ms per 6144x2048 product, with AVX-512 and held to AVX2 alike), and rounding
-    inputs to bfloat16 is small beside rounding weights to 4 bits."""
+    The kernel is fed bfloat16 whatever the model's dtype: its float32 path is far slower (9.3 ms per
+    6144x2048 product against 0.19 ms with AVX-512 and 0.64 ms held to AVX2), and rounding inputs to
+    bfloat16 is small beside rounding weights to 4 bits."""
 
     dtype = torch.quint4x2
     kernel_dtype = torch.bfloat16
