@@ -1,4 +1,7 @@
-"""oneDNN-packed bfloat16 weights for the language model's linear layers.
+"""The language model's linear layers in the service's own layer, whose weight lives in a kernel's
+layout: oneDNN-packed bfloat16 (below), plain bfloat16 (`PlainWeight`, CPUs without AVX-512 BF16),
+or int8 / int4 at the policy's quantize levels (vlserve/quantized.py). Every format shares the fused
+projections and the prompt copies described here.
 
 Decoding one token is a chain of matrix-vector products that read every weight once, so its speed is
 the speed at which those reads go. torch's default bf16 `F.linear` reaches about 15 GB/s on this
@@ -20,7 +23,7 @@ A prompt is the other kind of work: hundreds of rows at once, compute-bound. Wit
 GEMMs beat the packed bfloat16 ones from about 48 rows on, so with `prefill_dtype=float32` each
 decoder layer also gets a float32 copy of its weight (+5.6 GB) and products of `PREFILL_ROWS` rows
 or more run on it; decode steps (one row per sequence) stay on the packed bfloat16 weight.
-With `prefill_dtype=int8` (opt-in, vlserve/quantized.py) the copy is an int8 one (+1.4 GB) and
+With `prefill_dtype=int8` (the int4 level, or by hand) the copy is an int8 one (+1.4 GB) and
 prompts run through dynamic int8 products, about twice as fast again.
 Writing 5.6 GB of fresh memory took 5-14 s at load on this project's VMs (first-touch page faults),
 more than the whole rest of the load, so the copies are not made at load: each layer keeps a view of
