@@ -12,7 +12,9 @@ The sizing policy's `quantize` level picks them (docs/service.md says what each 
   `torch._weight_int8pack_mm` multiplies the same weights with exact inputs.
 - int4: the decoder's linear layers in 4 bits, groups of 32 weights along the input sharing a
   scale and a zero point (min/max, as llama.cpp's Q4_1 blocks of 32), through torch's
-  `_weight_int4pack_mm_for_cpu`; the output head stays int8 (as llama.cpp's Q4_K_M keeps it wider).
+  `_weight_int4pack_mm_for_cpu`; the output head stays int8 (as llama.cpp's Q4_K_M keeps it wider):
+  measured on the real-size head (151936x2048, one row), int4 4.55 ms against int8 4.70 ms, no
+  faster, and 40x the KL divergence of its logits (0.0025 against 0.00006 nats on random rows).
   That kernel dequantizes on the fly and is slow on many rows, so prompts may use an int8 copy.
 
 Measured with torch 2.13 at 2 threads, forty 6144x2048 products (a working set beyond the cache),
