@@ -12,7 +12,9 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
+import time
 
 from harness.host import CACHE, REPO, SshHost, key_for
 
@@ -47,8 +49,10 @@ class NspawnHost(SshHost):
     def __enter__(self) -> NspawnHost:
         rootfs = ensure_rootfs(self.release)
         for directory in self.cgroup_dirs:
+            _kill_every_process_in(directory)  # a container of this name left by an interrupted run
             if directory.parent.is_dir():
                 directory.mkdir(exist_ok=True)
+        self._refuse_a_taken_ssh_address()
         env = dict(os.environ, SYSTEMD_NSPAWN_UNIFIED_HIERARCHY="1")
         nspawn = [
             "systemd-nspawn",
@@ -101,14 +105,51 @@ class NspawnHost(SshHost):
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                # The container's init first: killing only systemd-nspawn can leave init and its
+                # sshd running, and the next host booted on this address would be reached there.
+                init = _child_of(self.process.pid)
+                if init:
+                    os.kill(init, signal.SIGKILL)
                 self.process.kill()
                 self.process.wait()
         for directory in self.cgroup_dirs:
+            _kill_every_process_in(directory)
             # The container's own cgroups (payload, supervisor) go too, deepest first, once empty.
             for path in [*sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True), directory]:
                 if path.is_dir():
                     with contextlib.suppress(OSError):  # still in use: reused next time
                         path.rmdir()
+
+    def _refuse_a_taken_ssh_address(self) -> None:
+        """Booting while another sshd holds the guest's address would test that other machine."""
+        deadline = time.monotonic() + 10  # a container powering off just now releases it shortly
+        while True:
+            with socket.socket() as probe:
+                probe.settimeout(1)
+                if probe.connect_ex((self.address, self.port)) != 0:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "%s:%d already answers before %s boots: a container left by another run? "
+                    "(ps -ef | grep systemd-nspawn; ss -ltnp)" % (self.address, self.port, self.name)
+                )
+            time.sleep(1)
+
+
+def _kill_every_process_in(directory: pathlib.Path) -> None:
+    """SIGKILL whatever still runs in a container's cgroup tree (cgroup.kill where the kernel has it)."""
+    if not directory.is_dir():
+        return
+    kill = directory / "cgroup.kill"
+    if kill.exists():
+        with contextlib.suppress(OSError):
+            kill.write_text("1")
+            return
+    for procs in directory.rglob("cgroup.procs"):
+        with contextlib.suppress(OSError):
+            for pid in procs.read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
 
 
 def _child_of(pid: int) -> int | None:
