@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import httpx
 import psutil
@@ -21,6 +24,12 @@ SCHEMAS = REPO / "service" / "vlserve" / "schemas"
 VENV_BIN = pathlib.Path(sys.executable).parent
 
 sys.path.insert(0, str(REPO / "tests"))
+
+# Workers started by the tests (in-process and as commands) keep their weight cache here, not in the
+# home directory of whoever runs the suite; tests that check the cache itself pass their own.
+WEIGHT_CACHE = tempfile.mkdtemp(prefix="vlserve-test-weight-cache-")
+atexit.register(shutil.rmtree, WEIGHT_CACHE, True)
+os.environ["VLSERVE_WEIGHT_CACHE"] = WEIGHT_CACHE
 
 
 def load_topology(name: str) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -258,6 +259,22 @@ def test_a_packed_group_gives_each_member_its_own_product():
     first, second = torch.randn(1, 64).to(torch.bfloat16), torch.randn(1, 64).to(torch.bfloat16)
     members[0](first)
     assert torch.equal(members[1](second), alone[1](second))  # a new input is a new product
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
+def test_a_group_left_unpacked_until_after_ready_answers_from_its_parts_then_packs():
+    torch.manual_seed(2)
+    plain = [torch.nn.Linear(64, n, bias=False).to(torch.bfloat16) for n in (48, 16)]
+    deferred = PackedGroup(plain, functools.partial(PackedBf16Weight, prepack=False))
+    ready = PackedGroup(plain, PackedBf16Weight)
+    rows = torch.randn(3, 64).to(torch.bfloat16)
+    assert deferred.weight.layout_pending and deferred.weight.packed is None
+    reference = ready.weight.matmul(rows)
+    assert torch.allclose(deferred.weight.matmul(rows).float(), reference.float(), rtol=1e-2, atol=1e-2)
+    assert deferred.weight.nbytes == ready.weight.nbytes
+    deferred.weight.finish_layout()
+    assert not deferred.weight.layout_pending and deferred.weight.parts is None  # the map's views let go
+    assert torch.equal(deferred.weight.matmul(rows), reference)
 
 
 @pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")

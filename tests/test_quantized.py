@@ -64,6 +64,39 @@ def test_the_int8_product_is_the_integer_product_rescaled(int8_backend):
     assert relative_error(layer.matmul(rows), rows @ weight.t() + bias) < 0.02
 
 
+def test_an_int8_weight_left_in_its_plain_layout_gives_the_same_products_before_and_after_it(int8_backend):
+    """The loader leaves oneDNN's reorder to after ready: until then `torch._int_mm` multiplies the plain
+    values (the same integer sums), and a weight from the cache (`from_tensors`) is the same weight."""
+    torch.manual_seed(2)
+    weight, bias = torch.randn(48, 96), torch.randn(48)
+    ready = Int8Weight(weight, bias)
+    deferred = Int8Weight(weight, bias, prepack=False)
+    mapped = Int8Weight.from_tensors(deferred.tensors())
+    assert deferred.layout_pending == mapped.layout_pending == (int8_backend == "onednn")
+    for rows in (torch.randn(1, 96), torch.randn(20, 96) * 3):
+        before = deferred.matmul(rows)
+        assert torch.equal(mapped.matmul(rows), before)
+        assert torch.allclose(before, ready.matmul(rows), rtol=1e-5, atol=1e-5)
+    for layer in (deferred, mapped):
+        layer.finish_layout()
+        assert not layer.layout_pending
+        assert torch.equal(layer.matmul(rows), ready.matmul(rows))
+    if int8_backend == "onednn":
+        assert deferred.values is None  # the plain values (a view of the cache file) are let go
+        with pytest.raises(ValueError):
+            deferred.tensors()
+
+
+def test_an_int4_weight_from_its_tensors_is_the_same_weight():
+    torch.manual_seed(3)
+    weight, bias = torch.randn(32, 128), torch.randn(32)
+    layer = Int4Weight(weight, bias)
+    again = Int4Weight.from_tensors(layer.tensors())
+    assert (again.shape, again.group) == (layer.shape, layer.group)
+    rows = torch.randn(3, 128)
+    assert torch.equal(again.matmul(rows), layer.matmul(rows))
+
+
 def test_a_big_weight_is_quantized_in_chunks_with_the_same_result(monkeypatch):
     torch.manual_seed(4)
     weight = torch.randn(304, 64)
@@ -104,7 +137,7 @@ def test_int4_refuses_a_shape_its_layout_cannot_hold(shape):
 
 def test_int8_linear_keeps_shape_and_dtype():
     linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    out = Int8Linear(linear)(torch.randn(2, 7, 64).to(torch.bfloat16))
+    out = Int8Linear.from_linear(linear)(torch.randn(2, 7, 64).to(torch.bfloat16))
     assert out.shape == (2, 7, 32) and out.dtype == torch.bfloat16
 
 

@@ -23,12 +23,14 @@ from vlserve.errors import ModelDirectoryError
 from vlserve.packing import (
     checkpoint_copy_steps,
     convert_vision_tower,
+    layout_steps,
     pack_language_model,
     packing_supported,
     pending_prefill_copies,
 )
 from vlserve.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
 from vlserve.settings import LimitSettings, ModelSettings
+from vlserve.weightcache import PreparedWeights, WeightCache
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ class LoadedModel:
     quantize: str
     pad_id: int
     eos_ids: set[int]
+    layout_steps: list[Callable[[], None]] = field(default_factory=list)  # weights still in a plain layout
     prefill_copies: list = field(default_factory=list)  # layers still waiting for their prompt copy
     map_copies: list[Callable[[], None]] = field(default_factory=list)  # tensors still in the checkpoint's map
 
@@ -154,6 +157,12 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         vision_dtype = "float32" if vision_dtype == "int8" else vision_dtype
         prefill_dtype = choices.dtype if prefill_dtype == "int8" else prefill_dtype
     packed, prefill_copies, map_copies = False, [], []
+    # Quantized weights come from the weight cache where it has them; int8 ones (at any level, the
+    # vision tower's too) are rounded there with their plain layout and reordered after ready.
+    root = model.weight_cache_root()
+    rounds = level != "none" or vision_dtype == "int8"
+    cache = WeightCache(root, path, level) if root is not None and rounds else None
+    prepared = cache.open() if cache is not None else PreparedWeights()
     if level != "none":
         status("quantizing the language model to %s" % level)
         copy = prefill_dtype if prefill_dtype not in (level, choices.dtype) else None
@@ -162,6 +171,8 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
             vision_dtype=getattr(torch, vision_dtype),
             prefill_dtype=None if copy is None else getattr(torch, copy),
             level=level,
+            prepared=prepared,
+            defer_layouts=True,
         )
         if choices.dtype != "bfloat16":
             network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
@@ -183,17 +194,21 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
                 vision_dtype=getattr(torch, vision_dtype),
                 prefill_dtype=getattr(torch, prefill_dtype),
                 packed=packed,
+                prepared=prepared,
+                defer_layouts=True,
             )
             prefill_copies = pending_prefill_copies(network)
             map_copies = checkpoint_copy_steps(network, load_dtype)
             log.info("%s %d linear layers (prompts in %s)", "packed" if packed else "took", count, prefill_dtype)
         else:
-            convert_vision_tower(network, getattr(torch, vision_dtype))
+            convert_vision_tower(network, getattr(torch, vision_dtype), prepared, defer_layouts=True)
             if prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
                 add_int8_prompt_copies(network.model.language_model)
                 prefill_copies = pending_prefill_copies(network)
             else:
                 prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
+    if cache is not None:
+        cache.write(prepared)  # only when something was rounded here
     tokenizer = processor.tokenizer
     eos = network.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
@@ -217,6 +232,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         quantize=level,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         eos_ids=eos_ids,
+        layout_steps=layout_steps(network),
         prefill_copies=prefill_copies,
         map_copies=map_copies,
     )

@@ -13,6 +13,10 @@ llama.cpp fuse them: a decode step is then 113 products instead of 197, and the 
 worst (measured on 28 layers of Qwen3-VL-2B's shapes: 3-8% less time; the outputs are bit for bit
 the same as separate products).
 
+A worker does not wait for the reorders: the loader builds the weights with `prepack=False`, they
+multiply from their plain layout (`F.linear` on views of the checkpoint) and `layout_steps` reorders
+them one per scheduler pass once it is ready (docs/service.md, "Ready first").
+
 Packing copies the weights out of the checkpoint's memory map; everything else is copied out too,
 after ready (`checkpoint_copy_steps`), and the map is released once that and any float32 prefill
 copies below are done: resident memory then counts each weight once. The tied output embedding
@@ -38,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from vlserve.quantized import INT8_PREFILL_ROWS, Int4Weight, Int8Weight, quantize_vision_tower
+from vlserve.quantized import INT8_PREFILL_ROWS, Int4Weight, Int8Weight, quantize_vision_tower, whole
 
 # Sibling projections of one input in Qwen3-VL's decoder layers (attention; MLP), packed together.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -62,20 +66,41 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedBf16Weight:
-    """A bfloat16 weight in oneDNN's blocked layout: same math, same outputs as `F.linear`."""
+    """A bfloat16 weight in oneDNN's blocked layout: same math, same outputs as `F.linear`.
+
+    With `prepack=False` it keeps its parts (views of the checkpoint's map, one per fused member) and
+    multiplies them with `F.linear` until `finish_layout` concatenates and reorders them: that takes
+    3-4 s for the whole model here, which the loader leaves to the worker's after-ready steps."""
 
     dtype = torch.bfloat16
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.packed = _pack(weight)
+    def __init__(
+        self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None, *, prepack: bool = True
+    ):
+        self.parts: list[torch.Tensor] | None = [w.detach() for w in (weight if isinstance(weight, list) else [weight])]
+        self.packed: torch.Tensor | None = None
         self.bias = None if bias is None else bias.detach().clone()
+        if prepack:
+            self.finish_layout()
+
+    @property
+    def layout_pending(self) -> bool:
+        return self.packed is None
+
+    def finish_layout(self) -> None:
+        if self.packed is None:
+            self.packed, self.parts = _pack(whole(self.parts)), None
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        stored = [self.packed] if self.packed is not None else self.parts
+        return sum(t.nbytes for t in stored) + (0 if self.bias is None else self.bias.nbytes)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        out = torch.cat([torch.nn.functional.linear(rows, part) for part in self.parts], dim=-1)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class PlainWeight:
@@ -83,8 +108,8 @@ class PlainWeight:
     without oneDNN's bf16 kernels, where bfloat16 weights still halve the bytes a decode step reads
     (held to AVX2: 90 ms a token against float32's 309) and prompts want a float32 copy."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight.detach().clone()
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None):
+        self.weight = whole(weight).detach().clone()
         self.dtype = self.weight.dtype
         self.bias = None if bias is None else bias.detach().clone()
 
@@ -101,6 +126,7 @@ class PackedGroup:
     with an input computes every member's output, the others take theirs from it."""
 
     def __init__(self, linears: list[torch.nn.Linear], make_weight: Callable):
+        """`make_weight(parts, bias)`: the members' weights as a list, fused by the format itself."""
         self.sizes = [linear.out_features for linear in linears]
         bias = None
         if any(linear.bias is not None for linear in linears):
@@ -110,7 +136,7 @@ class PackedGroup:
                     for linear in linears
                 ]
             )
-        self.weight = make_weight(torch.cat([linear.weight.detach() for linear in linears]), bias)
+        self.weight = make_weight([linear.weight.detach() for linear in linears], bias)
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
         self._served = 0
@@ -218,6 +244,8 @@ def pack_language_model(
     *,
     level: str = "none",
     packed: bool = True,
+    prepared=None,
+    defer_layouts: bool = False,
 ) -> int:
     """Put every linear layer of the text decoder and the output head in the layout of `level`
     (none: oneDNN-packed bfloat16, or plain weights where `packed` is False; int8; int4); returns how
@@ -229,35 +257,69 @@ def pack_language_model(
     quantizes its linear layers (vlserve/quantized.py).
     `prefill_dtype`: the decoder layers' copy for prompts (the head only ever sees the last row), made
     later by `make_prefill_copy` on each layer that `pending_prefill_copies` lists.
+    `prepared` (weightcache.PreparedWeights): quantized weights taken from the weight cache by layer
+    name instead of being rounded again, and those rounded here kept for it.
+    `defer_layouts`: leave oneDNN's reorders to `layout_steps` (the worker runs them after ready).
     """
-    convert_vision_tower(model, vision_dtype)
+    convert_vision_tower(model, vision_dtype, prepared, defer_layouts)
     decoder_weight, head_weight = weight_formats(level, packed)
+
+    def maker(fmt: Callable, name: str) -> Callable:
+        make = functools.partial(fmt, prepack=False) if defer_layouts and hasattr(fmt, "finish_layout") else fmt
+        if prepared is None or not hasattr(fmt, "from_tensors"):
+            return make
+
+        def from_cache_or_made(weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None):
+            parts = weight if isinstance(weight, list) else [weight]
+            shape = (sum(part.shape[0] for part in parts), parts[0].shape[1])
+            return prepared.weight(name, fmt, functools.partial(make, weight, bias), shape)
+
+        return from_cache_or_made
+
     count = 0
-    text = model.model.language_model
-    for parent in list(text.modules()):
+    for parent_name, parent in list(model.model.language_model.named_modules(prefix="model.language_model")):
         for names in FUSED_PROJECTIONS:
             linears = [getattr(parent, name, None) for name in names]
             if all(isinstance(linear, torch.nn.Linear) for linear in linears):
-                group = PackedGroup(linears, decoder_weight)
+                make = maker(decoder_weight, "%s.%s" % (parent_name, "+".join(names)))
+                group = PackedGroup(linears, make)
                 for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
-                    setattr(parent, name, PackedLinear(linear, decoder_weight, prefill_dtype, group, index))
+                    setattr(parent, name, PackedLinear(linear, make, prefill_dtype, group, index))
                 count += len(names)
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, PackedLinear(child, decoder_weight, prefill_dtype))
+                make = maker(decoder_weight, "%s.%s" % (parent_name, name))
+                setattr(parent, name, PackedLinear(child, make, prefill_dtype))
                 count += 1
     if head_weight is None:
         return count
-    model.lm_head = PackedLinear(model.lm_head, head_weight)
+    model.lm_head = PackedLinear(model.lm_head, maker(head_weight, "lm_head"))
     return count + 1
 
 
-def convert_vision_tower(model: torch.nn.Module, vision_dtype: torch.dtype | None) -> None:
+def convert_vision_tower(
+    model: torch.nn.Module, vision_dtype: torch.dtype | None, prepared=None, defer_layouts: bool = False
+) -> None:
     """The vision tower to `vision_dtype` (int8: quantized linear layers, float32 for the rest)."""
     if vision_dtype == torch.int8:
-        quantize_vision_tower(model.model.visual)
+        quantize_vision_tower(model.model.visual, prepared, "model.visual", prepack=not defer_layouts)
     elif vision_dtype is not None and vision_dtype != model.dtype:
         model.model.visual.to(vision_dtype)
+
+
+def layout_steps(model: torch.nn.Module) -> list[Callable[[], None]]:
+    """One step per weight still waiting for its kernel's layout (`defer_layouts`), each making it.
+
+    Until its step has run a weight multiplies from its plain layout (the same results, more slowly:
+    oneDNN's matmul on plain int8, `F.linear` on bfloat16), so a worker can be ready first."""
+    seen: set[int] = set()
+    steps = []
+    for module in model.modules():
+        weight = getattr(module, "stored", None)
+        if getattr(weight, "layout_pending", False) and id(weight) not in seen:
+            seen.add(id(weight))
+            steps.append(weight.finish_layout)
+    return steps
 
 
 def pending_prefill_copies(model: torch.nn.Module) -> list[torch.nn.Module]:

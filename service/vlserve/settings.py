@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _CONFIG = SettingsConfigDict(env_prefix="VLSERVE_", extra="ignore", env_file=None)
@@ -71,6 +71,27 @@ class ModelSettings(BaseSettings):
         "unset: as the sizing plan for this process decides",
     )
     warmup: bool = Field(True, description="run one request through the model before reporting ready")
+    weight_cache: str = Field(
+        "auto",
+        description="directory where the first start keeps the int8/int4 weights it rounded, for every later "
+        "start to map instead (rebuilt when the checkpoint, level, torch or CPU differ); auto: systemd's "
+        "CacheDirectory=, else ~/.cache/vlserve/weights; off: round at every start",
+    )
+
+    @field_validator("weight_cache")
+    @classmethod
+    def _auto_off_or_absolute(cls, value: str) -> str:
+        if value not in ("auto", "off") and not Path(value).is_absolute():
+            raise ValueError("weight_cache must be auto, off or an absolute directory, not %r" % value)
+        return value
+
+    def weight_cache_root(self) -> Path | None:
+        """The weight cache's directory, None when off."""
+        from vlserve.weightcache import default_root  # noqa: PLC0415 - imports torch
+
+        if self.weight_cache == "off":
+            return None
+        return default_root() if self.weight_cache == "auto" else Path(self.weight_cache)
 
     @model_validator(mode="after")
     def _pixels_in_order(self) -> ModelSettings:

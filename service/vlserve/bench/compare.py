@@ -37,7 +37,7 @@ TARGETS = {
     "throughput_ratio": (8.0, "min"),
     "decode_fraction_of_bound": (0.75, "min"),
     "vision_cache_ttft_ratio": (0.60, "max"),
-    "ready_s": (15.0, "max"),
+    "ready_s": (6.0, "max"),
 }
 
 
@@ -128,6 +128,12 @@ def _single_requests(urls: list[str], bodies: list[dict]) -> list:
 
 def measure_config(config: _Config, options: CompareOptions) -> dict:
     startups, settled, peaks = [], [], []
+    if config.plan is not None and config.plan["model"]["quantize"] != "none":
+        # The first start at a level rounds the weights and writes the weight cache, as the first start
+        # after a deploy does; the starts measured below are the later ones, which map it.
+        _say(options, "%s: a first start writes the weight cache (not measured)" % config.name)
+        for server in config.start():
+            server.stop()
     for run in range(options.startup_runs):
         _say(options, "%s: start %d of %d" % (config.name, run + 1, options.startup_runs))
         servers = config.start()

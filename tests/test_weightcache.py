@@ -1,0 +1,172 @@
+"""The weight cache: a second start maps what the first rounded; a stale, foreign or broken file is rebuilt."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import run_tool
+from vlserve import quantized
+from vlserve.loader import load_model
+from vlserve.settings import LimitSettings, ModelSettings
+from vlserve.weightcache import KEY_FIELD, WeightCache
+
+LIMITS = LimitSettings(max_batch_size=2, max_context_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("models") / "tiny-bf16"
+    assert run_tool("vlserve", "make-test-model", str(directory)).returncode == 0
+    return directory
+
+
+@pytest.fixture
+def roundings(monkeypatch):
+    """How many weights were rounded (each weight is rounded through `_in_chunks` once)."""
+    calls = []
+    original = quantized._in_chunks
+
+    def counting(matrix, quantize):
+        calls.append(tuple(matrix.shape))
+        return original(matrix, quantize)
+
+    monkeypatch.setattr(quantized, "_in_chunks", counting)
+    return calls
+
+
+def load(checkpoint, cache, level):
+    settings = ModelSettings(
+        model=checkpoint, dtype="bfloat16", quantize=level, vision_dtype="int8", weight_cache=str(cache)
+    )
+    loaded = load_model(settings, LIMITS, status=lambda message: None)
+    return loaded
+
+
+def logits(loaded, finish_layouts=True):
+    if finish_layouts:
+        for step in loaded.layout_steps:
+            step()
+    with torch.inference_mode():
+        return loaded.model(input_ids=torch.arange(40)[None]).logits
+
+
+def cache_file(cache):
+    files = list(cache.glob("*.safetensors"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+@pytest.mark.parametrize("level", ["int8", "int4"])
+def test_a_second_start_maps_what_the_first_rounded_and_answers_the_same(checkpoint, tmp_path, roundings, level):
+    first = load(checkpoint, tmp_path, level)
+    rounded_first = len(roundings)
+    assert rounded_first > 0 and first.layout_steps  # int8 weights wait for oneDNN's layout until after ready
+    path = cache_file(tmp_path)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"  # the service's UMask=0077 too
+    roundings.clear()
+    second = load(checkpoint, tmp_path, level)
+    assert roundings == []  # nothing rounded again: every weight came from the file
+    assert len(second.layout_steps) == len(first.layout_steps)
+    # Plain layouts first (what a worker answers with right after ready), then the kernels' layouts.
+    assert torch.allclose(logits(first, False), logits(second, False), rtol=0, atol=1e-5)
+    assert torch.equal(logits(first), logits(second))
+    uncached = load_model(
+        ModelSettings(model=checkpoint, dtype="bfloat16", quantize=level, vision_dtype="int8", weight_cache="off"),
+        LIMITS,
+        status=lambda message: None,
+    )
+    assert torch.equal(logits(uncached), logits(second))
+
+
+def rewrite(path, change_key=None, change_tensors=None):
+    with safe_open(str(path), framework="pt") as file:
+        metadata = file.metadata()
+        tensors = {name: file.get_tensor(name).clone() for name in file.keys()}  # noqa: SIM118
+    key = json.loads(metadata[KEY_FIELD])
+    if change_key:
+        change_key(key)
+    if change_tensors:
+        change_tensors(tensors)
+    save_file(tensors, str(path), metadata={KEY_FIELD: json.dumps(key)})
+
+
+def touch_the_checkpoint(checkpoint, path):
+    stat = (checkpoint / "config.json").stat()
+    os.utime(checkpoint / "config.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+
+
+def from_another_torch(checkpoint, path):
+    rewrite(path, change_key=lambda key: key.update(torch="2.0.0"))
+
+
+def from_another_cpu(checkpoint, path):
+    rewrite(path, change_key=lambda key: key.update(cpu_capability="NO AVX"))
+
+
+def truncated(checkpoint, path):
+    with path.open("r+b") as file:
+        file.truncate(path.stat().st_size // 2)
+
+
+def not_safetensors(checkpoint, path):
+    path.write_bytes(b"\x00" * 64)
+
+
+@pytest.mark.parametrize(
+    "spoil", [touch_the_checkpoint, from_another_torch, from_another_cpu, truncated, not_safetensors]
+)
+def test_a_stale_foreign_or_broken_file_is_rebuilt_never_trusted(checkpoint, tmp_path, roundings, caplog, spoil):
+    reference = logits(load(checkpoint, tmp_path, "int4"))
+    rounded = len(roundings)
+    path = cache_file(tmp_path)
+    spoil(checkpoint, path)
+    roundings.clear()
+    with caplog.at_level(logging.INFO, logger="vlserve.weightcache"):
+        rebuilt = load(checkpoint, tmp_path, "int4")
+    assert len(roundings) == rounded  # every weight rounded again
+    assert any(word in caplog.text for word in ("stale or foreign", "unreadable"))
+    assert torch.equal(logits(rebuilt), reference)
+    roundings.clear()
+    load(checkpoint, tmp_path, "int4")
+    assert roundings == []  # and the rebuilt file is used from then on
+
+
+def test_a_layer_of_the_wrong_shape_is_rounded_again(checkpoint, tmp_path, roundings, caplog):
+    reference = logits(load(checkpoint, tmp_path, "int8"))
+    path = cache_file(tmp_path)
+    victim = "lm_head.values"
+
+    def shrink(tensors):
+        tensors[victim] = tensors[victim][:-1].contiguous()
+
+    rewrite(path, change_tensors=shrink)
+    roundings.clear()
+    with caplog.at_level(logging.WARNING, logger="vlserve.weightcache"):
+        again = load(checkpoint, tmp_path, "int8")
+    assert len(roundings) == 1 and "lm_head" in caplog.text
+    assert torch.equal(logits(again), reference)
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_rounding(checkpoint, tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="vlserve.weightcache"):
+        loaded = load(checkpoint, blocked / "weights", "int8")
+    assert "cannot write" in caplog.text
+    assert logits(loaded).isfinite().all()
+
+
+def test_the_key_names_what_the_tensors_depend_on(checkpoint):
+    key = WeightCache(checkpoint.parent, checkpoint, "int4").key
+    assert key["level"] == "int4" and key["torch"] == torch.__version__
+    assert key["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    names = {entry["name"] for entry in key["model"]}
+    assert "config.json" in names and any(name.endswith(".safetensors") for name in names)
+    assert all("header_sha256" in entry for entry in key["model"] if entry["name"].endswith(".safetensors"))
