@@ -88,6 +88,7 @@ def test_render_units_writes_every_destination_once_from_the_plan(tmp_path):
     written = {"/" + str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     expected = set(units.UNIT_FILES.values()) | set(units.CONFIG_FILES.values())
     expected |= {units.ERROR_PAGE_FILE.format(status=status) for status in units.ERROR_PAGES}
+    expected.add(units.PLAN_FILE)
     for worker in plan["worker_list"]:
         expected |= {path.format(index=worker["index"]) for path in units.WORKER_FILES.values()}
     assert written == expected
@@ -96,6 +97,9 @@ def test_render_units_writes_every_destination_once_from_the_plan(tmp_path):
     assert env.startswith("#\n# Managed by vlserve render-units")
     assert "VLSERVE_MEMORY_LIMIT_BYTES=%d\n" % worker["memory_guard_bytes"] in env
     assert "OMP_PLACES=%s\n" % worker["environment"]["OMP_PLACES"] in env
+    assert json.loads((tmp_path / units.PLAN_FILE.lstrip("/")).read_text()) == plan  # the status page's plan
+    shared = (tmp_path / units.CONFIG_FILES["vlserve.env.j2"].lstrip("/")).read_text()
+    assert "VLSERVE_PLAN_FILE=%s\n" % units.PLAN_FILE in shared
 
 
 def broken_facts(tmp_path, change) -> str:

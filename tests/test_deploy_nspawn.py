@@ -110,6 +110,21 @@ def test_the_workers_follow_the_plan(guest, workdir, deployed, host_vars):
         assert guest.ssh("ps -o user= -p %s" % pid).stdout.strip() == "vlserve"
 
 
+def test_the_page_and_the_status_through_the_front_show_the_plan_and_which_worker_answered(deployed, host_vars):
+    """The deploy writes the plan where the workers' status page reads it (the hardened unit can)."""
+    page = httpx.get(front(host_vars) + "/", timeout=10)
+    assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
+    names = set()
+    for _ in range(6):
+        response = httpx.get(front(host_vars) + "/status", timeout=10)
+        status = response.json()
+        assert status["plan"]["source"] == "/etc/vlserve/plan.json"
+        assert status["plan"]["workers"] == 2
+        assert response.headers["x-vlserve-worker"] == status["worker"]["name"]
+        names.add(status["worker"]["name"])
+    assert len(names) == 2  # the front spreads them: the page says which worker answered
+
+
 def test_second_run_changes_nothing(guest, workdir, deployed, host_vars):
     result = play(guest, workdir, "site.yml", **host_vars)
     assert result.returncode == 0, result.stdout[-4000:]

@@ -70,7 +70,8 @@ def test_streaming_matches_the_whole_answer(server):
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert finishes == [whole["choices"][0]["finish_reason"]]
     assert text == whole["choices"][0]["message"]["content"]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == dict(whole["usage"], answer_from_cache=True)
+    assert not whole["usage"]["answer_from_cache"]  # the same greedy request again: from the result cache
 
 
 def test_multipart_ask(server):
@@ -150,7 +151,9 @@ def test_caches_hit_for_a_repeated_request_and_a_second_question(server):
         return after[key] - before.get(key, 0)
 
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
-    assert again["usage"] == first["usage"]
+    assert again["usage"] == dict(first["usage"], answer_from_cache=True)
+    assert first["usage"]["images"] == 1 and first["usage"]["images_from_cache"] == 0
+    assert other.json()["usage"]["images_from_cache"] == 1 and not other.json()["usage"]["answer_from_cache"]
     assert delta("vlserve_cache_hits_total", "result") == 1
     assert delta("vlserve_cache_misses_total", "result") == 2
     assert delta("vlserve_cache_misses_total", "vision") == 1  # the first request encoded the image

@@ -19,7 +19,7 @@ import vlserve
 from vlserve import notify
 from vlserve.api.errors import install_error_handlers
 from vlserve.api.middleware import BodyLimitMiddleware, request_counter
-from vlserve.api.routes import ask, health, openai
+from vlserve.api.routes import ask, health, openai, page, status
 from vlserve.api.submission import Submitter
 from vlserve.engine import Engine
 from vlserve.errors import ModelDirectoryError
@@ -68,7 +68,16 @@ def create_app(
     app.state.started = time.time()
     app.add_middleware(BodyLimitMiddleware, limit=settings.limits.max_upload_bytes)
     app.middleware("http")(request_counter(metrics))
+    worker = status.worker_name(settings.server.port)
+
+    @app.middleware("http")
+    async def name_the_worker(request, call_next):
+        """Through the front, which worker answered: every response says."""
+        response = await call_next(request)
+        response.headers["X-Vlserve-Worker"] = worker
+        return response
+
     install_error_handlers(app)
-    for module in (health, openai, ask):
+    for module in (health, openai, ask, status, page):
         app.include_router(module.router)
     return app

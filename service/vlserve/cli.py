@@ -218,7 +218,7 @@ def _write_tree(out: str, files: dict[str, str]) -> None:
 
 def cmd_render_units(args: argparse.Namespace) -> int:
     """The deploy role's files, rendered from the same templates and context, for hosts without Ansible."""
-    from vlserve.units import render_all, units_context  # noqa: PLC0415
+    from vlserve.units import PLAN_FILE, render_all, units_context  # noqa: PLC0415
 
     facts = _load_facts(args.facts)
     try:
@@ -234,7 +234,8 @@ def cmd_render_units(args: argparse.Namespace) -> int:
     for name in ("model_dir", "front_port", "api_key", "user", "install_dir"):
         if getattr(args, "deploy_" + name) is not None:
             options[name] = getattr(args, "deploy_" + name)
-    _write_tree(args.out, render_all(pathlib.Path(args.templates), units_context(result, options), MANAGED))
+    files = render_all(pathlib.Path(args.templates), units_context(result, options), MANAGED)
+    _write_tree(args.out, files | {PLAN_FILE: sizing.dumps(result) + "\n"})
     print(
         "%d worker(s); copy the tree to / on the host, then: systemctl daemon-reload && "
         "systemctl enable --now vlserve.target" % len(result["worker_list"]),

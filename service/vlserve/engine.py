@@ -84,6 +84,9 @@ class Prompt:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    images: int = 0
+    images_from_cache: int = 0  # whose vision features came from the vision cache
+    answer_from_cache: bool = False  # the whole answer came from the result cache
 
     @property
     def total_tokens(self) -> int:
@@ -114,6 +117,7 @@ class Sequence:
     first_token_at: float | None = None
     cancelled: bool = False
     done: bool = False
+    images_from_cache: int = 0
 
     def cancel(self) -> None:
         """Called from any thread: the scheduler drops the sequence before its next step."""
@@ -139,6 +143,7 @@ class Engine:
         self.quantize = "none"
         self.result_cache = LRUCache(limits.result_cache_entries)
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=_feature_bytes)
+        self.plan: dict | None = None  # the sizing plan this process computed for itself at load
         self._layout_steps: list[Callable[[], None]] = []  # first, weights still in a plain layout (packing.py)
         self._prefill_copies: list = []  # layers still waiting for their prompt copy (packing.py, quantized.py)
         self._map_copies: list[Callable[[], None]] = []  # then the tensors still in the checkpoint's memory map
@@ -190,6 +195,7 @@ class Engine:
         self._layout_steps = loaded.layout_steps
         self._prefill_copies, self._map_copies = loaded.prefill_copies, loaded.map_copies
         self.processor, self.model = loaded.processor, loaded.model
+        self.plan = loaded.plan
 
     def warmup(self, status: Callable[[str], None] = lambda message: None) -> None:
         """One short request through every stage (vision encoder, prefill, decode), caches bypassed."""
@@ -350,7 +356,8 @@ class Engine:
             if cached is not None:
                 text, reason, completion = cached
                 sink.on_text(text)
-                sink.on_finish(reason, Usage(prompt.tokens, completion))
+                images = len(prompt.image_keys)
+                sink.on_finish(reason, Usage(prompt.tokens, completion, images, answer_from_cache=True))
                 seq.done = True
                 return seq
         held = anonymous_memory(self._process)
@@ -362,7 +369,11 @@ class Engine:
             )
         with self._wakeup:
             if len(self._queue) >= self.limits.max_queue + max(0, self.limits.max_batch_size - len(self._running)):
-                raise Overloaded("%d requests are waiting; try again shortly" % len(self._queue), retry_after=2)
+                raise Overloaded(
+                    "the worker is full (%d running, %d waiting, at most %d wait); try again shortly"
+                    % (len(self._running), len(self._queue), self.limits.max_queue),
+                    retry_after=2,
+                )
             self._queue.append(seq)
             self._wakeup.notify()
         return seq
@@ -559,6 +570,8 @@ class Engine:
                 features[key] = cached
             else:
                 misses[key] = (pixels, grid)
+        for seq in group:  # what each request's usage reports
+            seq.images_from_cache = sum(1 for key in seq.prompt.image_keys if key in features)
         if misses:
             started = time.monotonic()
             out = self.model.model.get_image_features(
@@ -666,7 +679,8 @@ class Engine:
             self.metrics.tpot_seconds.observe((now - seq.first_token_at) / (completion - 1))
         if seq.use_result_cache:
             self.result_cache.put(self._result_key(seq), (seq.text, reason, completion))
-        seq.sink.on_finish(reason, Usage(seq.prompt.tokens, completion))
+        images = len(seq.prompt.image_keys)
+        seq.sink.on_finish(reason, Usage(seq.prompt.tokens, completion, images, seq.images_from_cache))
 
     def _finish_cancelled(self, seq: Sequence) -> None:
         seq.done = True

@@ -97,8 +97,12 @@ def load_image(data: bytes, max_source_pixels: int, max_pixels: int, param: str)
             image = image.convert("RGB")
     except ImageError:
         raise
-    except UnidentifiedImageError as error:
-        raise ImageError("not an image this server can read: %s" % error, param) from None
+    except UnidentifiedImageError:  # Pillow's own message names a Python object: say what it means
+        raise ImageError(
+            "not an image this server can read (%d bytes, no PNG, JPEG, WebP, GIF or other format Pillow knows)"
+            % len(data),
+            param,
+        ) from None
     except (OSError, ValueError, SyntaxError) as error:  # truncated or corrupt files
         raise ImageError("the image could not be decoded: %s" % error, param) from None
     if image.width * image.height > 2 * max_pixels:

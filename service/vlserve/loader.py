@@ -63,6 +63,7 @@ class LoadChoices:
     packed: bool
     quantize: str
     why: str
+    plan: dict[str, Any] | None = field(default=None, repr=False)  # this process's sizing plan, if one fits
 
 
 def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | None = None) -> LoadChoices:
@@ -77,8 +78,10 @@ def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | 
         max_context_tokens=limits.max_context_tokens,
         quantize=model.quantize,
     )
+    plan = None
     try:
-        planned = sizing.plan(facts, policy)["model"]
+        plan = sizing.plan(facts, policy)
+        planned = plan["model"]
         why = "the sizing plan for this process (%s)" % planned["batch_why"]
     except sizing.PlanError as error:
         # Not even one worker fits by the plan's figures: try anyway, without any extra copy.
@@ -104,6 +107,7 @@ def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | 
         packed=planned["packed_weights"] if model.packed_weights is None else model.packed_weights,
         quantize=planned["quantize"],
         why=why,
+        plan=plan,
     )
 
 
@@ -121,6 +125,7 @@ class LoadedModel:
     quantize: str
     pad_id: int
     eos_ids: set[int]
+    plan: dict[str, Any] | None = None  # `LoadChoices.plan`
     layout_steps: list[Callable[[], None]] = field(default_factory=list)  # weights still in a plain layout
     prefill_copies: list = field(default_factory=list)  # layers still waiting for their prompt copy
     map_copies: list[Callable[[], None]] = field(default_factory=list)  # tensors still in the checkpoint's map
@@ -232,6 +237,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         quantize=level,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         eos_ids=eos_ids,
+        plan=choices.plan,
         layout_steps=layout_steps(network),
         prefill_copies=prefill_copies,
         map_copies=map_copies,

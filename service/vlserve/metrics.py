@@ -88,6 +88,58 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def snapshot(self) -> dict[str, Any]:
+        """The figures the status page shows, since this worker started: latency quantiles estimated
+        from the histograms as Prometheus' histogram_quantile does, and the caches' hit ratios."""
+        quantiles = {}
+        for name, histogram in (
+            ("ttft_s", self.ttft_seconds),
+            ("tpot_s", self.tpot_seconds),
+            ("e2e_s", self.e2e_seconds),
+        ):
+            buckets = [
+                (float(sample.labels["le"]), sample.value)
+                for sample in next(iter(histogram.collect())).samples
+                if sample.name.endswith("_bucket")
+            ]
+            quantiles[name] = {"p50": histogram_quantile(0.5, buckets), "p95": histogram_quantile(0.95, buckets)}
+        value = self.registry.get_sample_value
+        hits = {cache: value("vlserve_cache_hits_total", {"cache": cache}) for cache in ("result", "vision")}
+        misses = {cache: value("vlserve_cache_misses_total", {"cache": cache}) for cache in ("result", "vision")}
+        process = psutil.Process()
+        return {
+            "queue_depth": int(value("vlserve_queue_depth")),
+            "running": int(value("vlserve_batch_size")),
+            **quantiles,
+            "cache_hit_ratio": {
+                cache: (hits[cache] / (hits[cache] + misses[cache])) if hits[cache] + misses[cache] else None
+                for cache in hits
+            },
+            "generated_tokens": int(value("vlserve_generated_tokens_total")),
+            "resident_memory_bytes": process.memory_info().rss,
+            "anonymous_memory_bytes": anonymous_memory(process),
+        }
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of cumulative (upper bound, count) buckets, interpolated linearly inside the bucket
+    it falls in (Prometheus' rule); None without observations; the last finite bound past it."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
 
 def anonymous_memory(process: psutil.Process) -> int:
     """Resident memory the kernel cannot just drop: RSS less its file-backed pages.

@@ -69,6 +69,10 @@ class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # vlserve extras (clients that do not know them ignore them): how the caches served this request
+    images: int = 0
+    images_from_cache: int = 0
+    answer_from_cache: bool = False
 
 
 class AssistantMessage(BaseModel):

@@ -24,6 +24,11 @@ class ServerSettings(BaseSettings):
         None, description="if set, requests must send 'Authorization: Bearer <key>' (health and metrics stay open)"
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    plan_file: Path | None = Field(
+        None,
+        description="the host's sizing plan (JSON, as `vlserve plan --json` or the deploy role writes it) for the "
+        "status page; unset or unreadable: the plan this process computes for itself",
+    )
     served_model_name: str = Field("qwen3-vl-2b-instruct", description="model id in /v1/models and responses")
 
 

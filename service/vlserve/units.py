@@ -28,6 +28,9 @@ WORKER_FILES = {
     "worker.conf.j2": UNIT_DIR + "/vlserve@{index}.service.d/50-plan.conf",
 }
 ERROR_PAGE_FILE = CONFIG_DIR + "/errors/{status}.http"
+# The plan itself, as `vlserve plan --json` prints it, for the workers' status page (read per request:
+# a new plan there restarts nothing).
+PLAN_FILE = CONFIG_DIR + "/plan.json"
 # A fleet front (inventory group vlserve_front): one HAProxy over every service host's front.
 FLEET_FILES = {
     "fleet-haproxy.cfg.j2": CONFIG_DIR + "/fleet-haproxy.cfg",
@@ -76,6 +79,7 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         "user": options["user"],
         "group": options["group"],
         "config_dir": CONFIG_DIR,
+        "plan_file": PLAN_FILE,
         "files": {"units": UNIT_FILES, "config": CONFIG_FILES, "worker": WORKER_FILES},
         "model_dir": str(options["model_dir"]),
         "state_dir": str(options["state_dir"]),

@@ -27,7 +27,12 @@ from vlserve.settings import Settings
 
 def usage_info(usage: Usage) -> UsageInfo:
     return UsageInfo(
-        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        images=usage.images,
+        images_from_cache=usage.images_from_cache,
+        answer_from_cache=usage.answer_from_cache,
     )
 
 
