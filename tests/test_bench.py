@@ -13,7 +13,7 @@ import torch
 import yaml
 from transformers import Qwen3VLForConditionalGeneration
 
-from conftest import REPO, Server, run_tool
+from conftest import REPO, Server, load_topology, run_tool
 from vlserve import sizing
 from vlserve.bench.autotune import AutotuneOptions, candidates, plan_key
 from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth
@@ -222,3 +222,15 @@ def test_autotune_ranks_the_plan_and_writes_host_vars_the_role_accepts(tiny_mode
     assert variables and set(variables) <= set(options)
     policy = sizing.Policy.from_mapping({k.removeprefix("vlserve_facts_"): v for k, v in variables.items()})
     assert policy.dtype == "float32" and policy.max_batch_size in (1, 2) and policy.quantize == "auto"
+
+
+def test_autotune_sweeps_quantize_levels_only_when_asked(tmp_path):
+    facts = load_topology("this-machine")
+    base = sizing.Policy()
+    default = candidates(facts, base, AutotuneOptions(model=tmp_path, batch_sizes=(1,), dtypes=("bfloat16",)))
+    assert {policy.quantize for policy in default} == {base.quantize}  # the policy's numerics, kept
+    swept = candidates(
+        facts, base, AutotuneOptions(model=tmp_path, batch_sizes=(1,), dtypes=("bfloat16",), levels=("none", "int4"))
+    )
+    assert len(swept) == 2 * len(default) and {policy.quantize for policy in swept} == {"none", "int4"}
+    assert {plan_key(sizing.plan(facts, policy))[-1] for policy in swept} == {"none", "int4"}

@@ -20,6 +20,7 @@ from vlserve.quantized import (
     PromptInt8Linear,
     quantize_rows,
     quantize_vision_tower,
+    shifted_rows,
 )
 
 
@@ -95,6 +96,16 @@ def test_an_int4_weight_from_its_tensors_is_the_same_weight():
     assert (again.shape, again.group) == (layer.shape, layer.group)
     rows = torch.randn(3, 128)
     assert torch.equal(again.matmul(rows), layer.matmul(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_are_rounded_for_onednn_exactly_as_quantize_rows_rounds_them(dtype):
+    torch.manual_seed(5)
+    for rows in (torch.randn(1, 256) * 1e-3, torch.randn(7, 256) * 1e3, torch.zeros(2, 256)):
+        shifted, scales = shifted_rows(rows.to(dtype))
+        values, expected = quantize_rows(rows.to(dtype))
+        assert shifted.dtype == torch.uint8 and torch.equal(shifted, (values.to(torch.int16) + 128).to(torch.uint8))
+        assert torch.equal(scales, expected)
 
 
 def test_a_big_weight_is_quantized_in_chunks_with_the_same_result(monkeypatch):

@@ -368,6 +368,7 @@ def cmd_autotune(args: argparse.Namespace) -> int:
             requests=args.requests,
             batch_sizes=tuple(args.batch_sizes) if args.batch_sizes else None,
             dtypes=tuple(args.dtypes) if args.dtypes else None,
+            levels=tuple(args.levels) if args.levels else None,
             policy=policy,
         )
     )
@@ -625,6 +626,12 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=("bfloat16", "float32"),
         help="dtypes to try (default: those the CPU runs natively)",
+    )
+    tune.add_argument(
+        "--levels",
+        nargs="+",
+        choices=("auto", "none", "int8", "int4"),
+        help="quantize levels to try (default: the policy's --quantize only: rounding is the operator's call)",
     )
     tune.add_argument(
         "--write-override", metavar="FILE", help="write the best configuration as Ansible host_vars to FILE"

@@ -89,14 +89,28 @@ def _onednn_pack(values: torch.Tensor) -> torch.Tensor:
     return torch.ops.onednn.qlinear_prepack(values, [1, values.shape[1]])
 
 
+def shifted_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(rows)` with its values shifted by 128 into uint8 (what oneDNN's u8s8 kernels take),
+    in fewer operations: a decode step rounds four inputs per layer, and each operation costs
+    microseconds of dispatch beside a one-row product's ~0.1 ms."""
+    wide = rows.float()
+    scales = (
+        torch.linalg.vector_norm(wide, float("inf"), dim=1).div_(INT8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    )
+    return (wide / scales[:, None]).round_().add_(128).clamp_(1, 255).to(torch.uint8), scales
+
+
+@functools.cache
+def _zero_points(outputs: int) -> torch.Tensor:
+    return torch.zeros(outputs, dtype=torch.long)
+
+
 def _onednn_product(packed: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
     """rows (n, in) float -> (n, out) float32: inputs to int8 per row, shifted to uint8 with zero point 128
     (oneDNN's u8s8 kernels), the int32 sums rescaled by the weight's scales, then by each row's."""
-    values, row_scales = quantize_rows(rows)
-    shifted = (values.to(torch.int16) + 128).to(torch.uint8)
-    zeros = torch.zeros(scales.shape[0], dtype=torch.long)
+    shifted, row_scales = shifted_rows(rows)
     out = torch.ops.onednn.qlinear_pointwise(
-        shifted, 1.0, 128, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        shifted, 1.0, 128, packed, scales, _zero_points(scales.shape[0]), None, 1.0, 0, torch.float32, "none", [], ""
     )
     out.mul_(row_scales[:, None])
     if bias is not None:
@@ -231,9 +245,10 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (n, in) of any float dtype -> (n, out) float32."""
-        out = self._product(rows).float()
-        return out if self.bias is None else out.add_(self.bias)
+        """rows (n, in) of any float dtype -> (n, out) in bfloat16 (the kernel's), float32 with a bias:
+        the caller converts to its own dtype, so a bfloat16 model makes no round trip through float32."""
+        out = self._product(rows)
+        return out if self.bias is None else out.float().add_(self.bias)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(

@@ -31,32 +31,38 @@ class AutotuneOptions:
     requests: int = 8
     batch_sizes: tuple[int, ...] | None = None  # default: 1 and the plan's
     dtypes: tuple[str, ...] | None = None  # default: float32, and bfloat16 where the CPU has it natively
+    levels: tuple[str, ...] | None = None  # quantize levels to sweep; default: the policy's own (its numerics)
     policy: sizing.Policy | None = None
     progress: bool = True
 
 
 def candidates(facts: dict, base: sizing.Policy, options: AutotuneOptions) -> list[sizing.Policy]:
-    """Policies for every split of the plan's usable cores into equal workers, batch size and dtype."""
+    """Policies for every split of the plan's usable cores into equal workers, batch size, dtype and
+    quantize level (only the policy's own unless `levels` asks for more: rounding changes the answers,
+    so a sweep across levels is the operator's call)."""
     planned = sizing.plan(facts, base)
     cores = len(planned["cores"]["usable"])
     batches = options.batch_sizes or tuple(sorted({1, planned["model"]["max_batch_size"]}))
     dtypes = options.dtypes or (("bfloat16", "float32") if sizing.native_bfloat16(facts["cpu"]) else ("float32",))
+    levels = options.levels or (base.quantize,)
     policies = []
     for workers in range(1, cores + 1):
         if cores % workers:
             continue
         for batch in batches:
             for dtype in dtypes:
-                policies.append(
-                    dataclasses.replace(
-                        base,
-                        objective="throughput",
-                        min_threads_per_worker=cores // workers,
-                        max_workers=workers,
-                        max_batch_size=batch,
-                        dtype=dtype,
+                for level in levels:
+                    policies.append(
+                        dataclasses.replace(
+                            base,
+                            objective="throughput",
+                            min_threads_per_worker=cores // workers,
+                            max_workers=workers,
+                            max_batch_size=batch,
+                            dtype=dtype,
+                            quantize=level,
+                        )
                     )
-                )
     return policies
 
 
@@ -99,7 +105,7 @@ def autotune(options: AutotuneOptions) -> dict:
         try:
             plan = sizing.plan(facts, policy)
         except sizing.PlanError as error:
-            rows.append({"config": "%s (%s)" % (policy.dtype, error), "fits": False})
+            rows.append({"config": "%s, quantize %s (%s)" % (policy.dtype, policy.quantize, error), "fits": False})
             continue
         key = plan_key(plan)
         if key in seen:  # two policies that plan the same thing are measured once

@@ -267,7 +267,9 @@ function showStatus(status) {
       row.insertCell().textContent = choice.why;
     }
   } else {
-    $("plan-summary").textContent = "No plan: the sizing engine found no worker that fits this host.";
+    $("plan-summary").textContent = ready
+      ? "No plan: the sizing engine found no worker that fits this process's share of the host."
+      : "The worker is " + status.state + ": its plan shows once the model is loaded.";
   }
   const f = status.figures;
   fillFacts($("figures"), [
