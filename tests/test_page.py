@@ -174,9 +174,14 @@ def test_the_page_loads_with_no_console_errors_and_passes_axe(worker, browser):
 
 def test_an_image_and_a_question_stream_an_answer_with_its_timing(worker, browser, pictures):
     browser.open(worker.url + "/")
-    ask(browser, "What is in this photo?", pictures / "photo.jpg")
+    browser.evaluate(  # count the answer's updates: a streamed answer arrives in pieces
+        "window.updates = 0; new MutationObserver(() => window.updates++)"
+        ".observe(document.getElementById('answer'), {childList: true, characterData: true, subtree: true})"
+    )
+    ask(browser, "What is in this photo?", pictures / "photo.jpg", max_tokens=48)
     assert browser.evaluate("document.getElementById('error').hidden")
     assert browser.text("#answer").strip()
+    assert browser.evaluate("window.updates") > 2  # 28 seen here for 48 tokens
     first = timing(browser)
     assert first["time to first token"].endswith(" s") and first["speed"].endswith("tokens/s")
     assert int(first["answer"].split()[0]) >= 1 and int(first["prompt"].split()[0]) > 10
@@ -185,6 +190,41 @@ def test_an_image_and_a_question_stream_an_answer_with_its_timing(worker, browse
     ask(browser, "What colour is the top left corner?")  # the same image, a second question
     assert timing(browser)["image"] == "from the vision cache"
     browser.screenshot(ARTIFACTS / "answer.png")
+    assert browser.errors == []
+
+
+# A PNG made in the page (a canvas), handed over as a person's drop or paste would hand it.
+MAKE_PICTURE = """new Promise(done => {
+  const canvas = document.createElement('canvas'); canvas.width = 96; canvas.height = 64;
+  const paint = canvas.getContext('2d'); paint.fillStyle = '%s'; paint.fillRect(0, 0, 96, 64);
+  canvas.toBlob(blob => { const t = new DataTransfer(); t.items.add(new File([blob], 'made.png', {type: 'image/png'}));
+    window.madeFiles = t; done(true); }, 'image/png');
+})"""
+
+
+@pytest.mark.parametrize(
+    "hand_over, colour",  # a colour each: the second test must not find the first one's image in the cache
+    [
+        (
+            "document.getElementById('drop').dispatchEvent("
+            "new DragEvent('drop', {dataTransfer: window.madeFiles, bubbles: true, cancelable: true}))",
+            "#3366cc",
+        ),
+        (
+            "document.dispatchEvent(new ClipboardEvent('paste', {clipboardData: window.madeFiles, bubbles: true}))",
+            "#cc6633",
+        ),
+    ],
+    ids=["dropped", "pasted"],
+)
+def test_a_dropped_or_pasted_image_is_the_one_asked_about(worker, browser, hand_over, colour):
+    browser.open(worker.url + "/")
+    browser.evaluate(MAKE_PICTURE % colour)
+    browser.evaluate(hand_over)
+    assert browser.evaluate("document.getElementById('image').files[0].name") == "made.png"
+    assert browser.evaluate("!document.getElementById('preview').hidden")
+    ask(browser, "What colour is it?")
+    assert browser.evaluate("document.getElementById('error').hidden") and timing(browser)["image"] == "encoded"
     assert browser.errors == []
 
 
