@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
@@ -26,14 +26,7 @@ from vlserve.settings import Settings
 
 
 def usage_info(usage: Usage) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=usage.total_tokens,
-        images=usage.images,
-        images_from_cache=usage.images_from_cache,
-        answer_from_cache=usage.answer_from_cache,
-    )
+    return UsageInfo(**asdict(usage), total_tokens=usage.total_tokens)
 
 
 class QueueSink:
