@@ -237,6 +237,7 @@ def test_a_file_that_is_no_image_shows_the_apis_400_message(worker, browser, pic
     assert api.status_code == 400
     assert shown == "HTTP 400: " + api.json()["error"]["message"]
     assert browser.text("#answer") == ""
+    assert browser.evaluate("getComputedStyle(document.getElementById('preview')).display") == "none"  # no preview
     browser.screenshot(ARTIFACTS / "error-400.png")
     assert httpx.get(worker.url + "/readyz").status_code == 200  # and the worker lives on
 
