@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import run_tool
-from vlserve import quantized
+from vlserve import packing, quantized
 from vlserve.loader import load_model
 from vlserve.settings import LimitSettings, ModelSettings
 from vlserve.weightcache import KEY_FIELD, WeightCache
@@ -170,3 +170,12 @@ def test_the_key_names_what_the_tensors_depend_on(checkpoint):
     names = {entry["name"] for entry in key["model"]}
     assert "config.json" in names and any(name.endswith(".safetensors") for name in names)
     assert all("header_sha256" in entry for entry in key["model"] if entry["name"].endswith(".safetensors"))
+
+
+def test_settle_leaves_nothing_for_after_ready(checkpoint, tmp_path):
+    """What benchmarks time: kernel layouts made, prompt copies made, nothing left in the checkpoint's map."""
+    loaded = load(checkpoint, tmp_path / "cache", "int4")  # an int8 head's layout, int8 prompt copies
+    assert loaded.layout_steps and loaded.prefill_copies
+    loaded.settle()
+    assert (loaded.layout_steps, loaded.prefill_copies, loaded.map_copies) == ([], [], [])
+    assert packing.layout_steps(loaded.model) == [] and packing.pending_prefill_copies(loaded.model) == []
