@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vlserve import sizing
+from vlserve import attention, sizing
 from vlserve.errors import ModelDirectoryError
 from vlserve.packing import (
     checkpoint_copy_steps,
@@ -166,6 +166,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     load_dtype = getattr(torch, choices.dtype) if level == "none" else torch.bfloat16
     network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=load_dtype)
     network.eval()
+    attention.use_for(network)
     vision_dtype, prefill_dtype = choices.vision_dtype, choices.prefill_dtype
     if "int8" in (vision_dtype, prefill_dtype) and not int8_products_supported():
         # Prompts fall back to the model's own weights: a float32 copy would be 4x the int8 one the plan counted.
