@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import run_tool
-from vlserve import packing, quantized
+from vlserve import packing, quantized, weightcache
 from vlserve.loader import load_model
 from vlserve.settings import LimitSettings, ModelSettings
 from vlserve.weightcache import KEY_FIELD, WeightCache
@@ -179,3 +179,34 @@ def test_settle_leaves_nothing_for_after_ready(checkpoint, tmp_path):
     loaded.settle()
     assert (loaded.layout_steps, loaded.prefill_copies, loaded.map_copies) == ([], [], [])
     assert packing.layout_steps(loaded.model) == [] and packing.pending_prefill_copies(loaded.model) == []
+
+
+def test_tensors_are_written_at_aligned_offsets_and_read_back_by_safetensors(tmp_path):
+    """Odd sizes between them: fillers keep every tensor on a 64-byte boundary of the file and of its map."""
+    tensors = {
+        "a.flags": torch.tensor([True, False, True]),
+        "a.scales": torch.arange(5, dtype=torch.float32),
+        "b.values": torch.arange(-6, 6, dtype=torch.int8).reshape(3, 4),
+        "b.halves": torch.randn(2, 3).to(torch.bfloat16),
+        "c.empty": torch.zeros(0, dtype=torch.float32),
+    }
+    path = tmp_path / "aligned.safetensors"
+    weightcache.write_aligned(path, tensors, {"note": "x"})
+    with safe_open(str(path), framework="pt") as file:
+        assert file.metadata() == {"note": "x"}
+        names = [name for name in file.keys() if not name.startswith(weightcache.PADDING)]  # noqa: SIM118
+        assert sorted(names) == sorted(tensors)
+        for name in names:
+            mapped = file.get_tensor(name)
+            assert torch.equal(mapped, tensors[name]) and mapped.dtype == tensors[name].dtype
+            if mapped.numel():
+                assert mapped.data_ptr() % weightcache.ALIGNMENT == 0, name
+
+
+def test_cached_weights_are_mapped_at_aligned_addresses(checkpoint, tmp_path):
+    load(checkpoint, tmp_path, "int4")
+    prepared = WeightCache(tmp_path, checkpoint, "int4").open()
+    assert prepared.found
+    for layer in prepared.found.values():
+        for tensor in layer.values():
+            assert tensor.data_ptr() % weightcache.ALIGNMENT == 0

@@ -34,8 +34,23 @@ from vlserve.quantized import INT4_GROUP
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the tensors a weight format stores change meaning
+FORMAT = 2  # bump when the tensors a weight format stores, or their placement in the file, change
 KEY_FIELD = "vlserve_weight_cache_key"
+# Every tensor starts at a multiple of this in the file, so at a cache-line boundary in the map. torch's
+# int4 kernel reads a weight that starts 16 bytes past a boundary 50% slower (33.7 ms against 22.3 ms
+# for the 112 products of a decode step here), and safetensors' own writer aligns to 8 bytes only.
+ALIGNMENT = 64
+PADDING = "__padding"  # filler tensors between others: safetensors allows no gaps in its data
+SAFETENSORS_DTYPES = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+}
 
 
 def default_root() -> Path:
@@ -132,6 +147,8 @@ class WeightCache:
                     return PreparedWeights()
                 found: dict[str, dict[str, torch.Tensor]] = {}
                 for name in file.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if name.startswith(PADDING):
+                        continue
                     layer, _, field = name.rpartition(".")
                     found.setdefault(layer, {})[field] = file.get_tensor(name)  # a view of the file's map
         except Exception as error:  # noqa: BLE001 - safetensors raises its own and OSError; any means rebuild
@@ -144,15 +161,12 @@ class WeightCache:
         """Write a new file when anything was rounded here; False (logged) when it cannot be written."""
         if not prepared.made:
             return False
-        from safetensors.torch import save_file  # noqa: PLC0415
-
         temporary = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".", suffix=".partial")
             os.close(handle)
-            tensors = {name: tensor.contiguous() for name, tensor in prepared.tensors().items()}
-            save_file(tensors, temporary, metadata={KEY_FIELD: json.dumps(self.key, sort_keys=True)})
+            write_aligned(Path(temporary), prepared.tensors(), {KEY_FIELD: json.dumps(self.key, sort_keys=True)})
             os.replace(temporary, self.path)  # readers see the old file or the new one, never a part
         except (OSError, RuntimeError, ValueError) as error:
             log.warning("weight cache: cannot write %s (%s): the next start rounds again", self.path, error)
@@ -162,6 +176,41 @@ class WeightCache:
             return False
         log.info("weight cache: wrote %d layers to %s", len(prepared.made), self.path)
         return True
+
+
+def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file whose every tensor starts at a multiple of ALIGNMENT (from the file's start),
+    written tensor by tensor (no copy of the whole set in memory); any safetensors reader reads it."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    parts: list[torch.Tensor | int] = []  # tensors, and the sizes of the zero fillers between them
+    offset = 0
+    for name, tensor in tensors.items():
+        filler = -offset % ALIGNMENT
+        if filler:
+            header["%s%d" % (PADDING, len(parts))] = {
+                "dtype": "U8",
+                "shape": [filler],
+                "data_offsets": [offset, offset + filler],
+            }
+            parts.append(filler)
+            offset += filler
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        parts.append(tensor)
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-(8 + len(encoded)) % ALIGNMENT)  # the data starts aligned too (spaces are allowed)
+    with path.open("wb") as file:
+        file.write(struct.pack("<Q", len(encoded)) + encoded)
+        for part in parts:
+            if isinstance(part, int):
+                file.write(bytes(part))
+            else:
+                file.write(part.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _differs(stored: Any, current: dict[str, Any]) -> str:
