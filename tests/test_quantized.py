@@ -237,6 +237,7 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
     assert list(levels) == ["none", "int8", "int4"] and levels["none"]["speedup"] == 1
     for figures in levels.values():
         assert figures["tokens_per_s"] > 0 and figures["step_ms_range"][0] <= figures["step_ms"]
+        assert figures["rss_anon_bytes"] > 0  # read from /proc (Linux)
     sizes = [levels[level]["decode_bytes_per_token"] for level in ("none", "int8", "int4")]
     assert sizes[0] > sizes[1] > sizes[2] > 0
     assert "| int4 |" in result.stdout or "| int4 | " in result.stdout

@@ -55,12 +55,11 @@ def one_query_attention(
     # Query heads sharing a key/value head become rows of one product (grouped-query attention).
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).float().mul_(scale)
     chunk = max(1, WIDENED_KEYS_BYTES // (kv_heads * length * dim * 4))
-    scores = torch.cat(
-        [
-            torch.matmul(grouped[start : start + chunk], key[start : start + chunk].float().transpose(-1, -2))
-            for start in range(0, batch, chunk)
-        ]
-    )
+    parts = [
+        torch.matmul(grouped[start : start + chunk], key[start : start + chunk].float().transpose(-1, -2))
+        for start in range(0, batch, chunk)
+    ]
+    scores = parts[0] if len(parts) == 1 else torch.cat(parts)
     if mask is not None:
         mask = mask.reshape(mask.shape[0], 1, 1, length)
         scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)

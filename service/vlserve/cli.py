@@ -641,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(handler=cmd_autotune)
 
     decode = commands.add_parser(
-        "bench-decode", help="single-stream decode speed at each quantize level, side by side in one process"
+        "bench-decode", help="single-stream decode speed at each quantize level, the levels taking turns"
     )
     decode.add_argument("--model", required=True, help="checkpoint directory")
     decode.add_argument("--levels", nargs="+", choices=("none", "int8", "int4"), default=["none", "int8", "int4"])

@@ -1,16 +1,19 @@
 """Single-stream decode speed at each quantize level, measured side by side: `vlserve bench-decode`.
 
-Every level's model is loaded by the service's loader into this one process, then the levels take
-turns (round after round, so the machine's drift falls on all of them alike): a fixed prompt is
-prefilled once and `tokens` greedy steps are timed one by one through the model's KV cache. Beside
-each level's tokens/s: its bytes read per token (`decode_weight_bytes`) and, with the machine's read
-bandwidth, the fraction of its own bandwidth bound it reaches.
+The levels take turns, round after round, so the machine's drift falls on all of them alike; each
+turn is a fresh process that loads the level by the service's loader and finishes its after-ready
+work (as a settled worker runs), prefills a fixed prompt once and times `tokens` greedy steps one by
+one through the model's KV cache. Beside each level's tokens/s: its bytes read per token
+(`decode_weight_bytes`), with the machine's read bandwidth the fraction of its own bound it reaches,
+and the process's anonymous resident memory once settled.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,39 +72,64 @@ def _timings(model: Any, tokens: int, prompt_tokens: int) -> tuple[float, list[f
     return prefill, times
 
 
+def _rss_anon_bytes() -> int | None:
+    """This process's anonymous resident memory (Linux), what its weights and copies hold."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _measure_level(options: DecodeOptions, level: str) -> dict[str, Any]:
+    """In a fresh process: load `level` as a worker does, finish its after-ready work, time it."""
+    settings = ModelSettings(
+        model=options.model, quantize=level, dtype=options.dtype, threads=options.threads, warmup=False
+    )
+    loaded = load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
+    loaded.settle()  # timed as a settled worker runs: kernel layouts and prompt copies made
+    prefill, steps = _timings(loaded.model, options.tokens, options.prompt_tokens)
+    return {
+        "quantize": loaded.quantize,
+        "dtype": loaded.dtype,
+        "prefill_dtype": loaded.prefill_dtype,
+        "prefill_s": prefill,
+        "step_s": statistics.median(steps),
+        "decode_bytes_per_token": decode_weight_bytes(loaded.model),
+        "rss_anon_bytes": _rss_anon_bytes(),
+    }
+
+
 def bench_decode(options: DecodeOptions) -> dict[str, Any]:
-    loaded = {}
-    for level in options.levels:
-        settings = ModelSettings(
-            model=options.model, quantize=level, dtype=options.dtype, threads=options.threads, warmup=False
-        )
-        loaded[level] = load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
-        loaded[level].settle()  # timed as a settled worker runs: kernel layouts and prompt copies made
-    per_level: dict[str, list[float]] = {level: [] for level in options.levels}
-    prefills: dict[str, list[float]] = {level: [] for level in options.levels}
-    for _ in range(options.rounds):
-        for level in options.levels:
-            prefill, steps = _timings(loaded[level].model, options.tokens, options.prompt_tokens)
-            per_level[level].append(statistics.median(steps))
-            prefills[level].append(prefill)
+    runs: dict[str, list[dict[str, Any]]] = {level: [] for level in options.levels}
+    # One fresh process per level and round: the levels at once hold ~20 GB of the real-size model,
+    # and on a 24 GB host the exact level's 12 GB slowed int8's steps from 44 to 61 ms.
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn, max_tasks_per_child=1) as pool:
+        for _ in range(options.rounds):
+            for level in options.levels:
+                runs[level].append(pool.submit(_measure_level, options, level).result())
     result: dict[str, Any] = {
         "tokens": options.tokens,
         "rounds": options.rounds,
         "prompt_tokens": options.prompt_tokens,
         "levels": {},
     }
-    for level, medians in per_level.items():
-        step = statistics.median(medians)
+    for level, measured in runs.items():
+        steps = [run["step_s"] for run in measured]
+        prefills = [run["prefill_s"] for run in measured]
+        resident = [run["rss_anon_bytes"] for run in measured if run["rss_anon_bytes"] is not None]
+        step = statistics.median(steps)
         result["levels"][level] = {
-            "quantize": loaded[level].quantize,
-            "dtype": loaded[level].dtype,
-            "prefill_dtype": loaded[level].prefill_dtype,
-            "prefill_s": statistics.median(prefills[level]),
-            "prefill_s_range": [min(prefills[level]), max(prefills[level])],
+            **{name: measured[0][name] for name in ("quantize", "dtype", "prefill_dtype", "decode_bytes_per_token")},
+            "prefill_s": statistics.median(prefills),
+            "prefill_s_range": [min(prefills), max(prefills)],
             "step_ms": step * 1e3,
-            "step_ms_range": [min(medians) * 1e3, max(medians) * 1e3],
+            "step_ms_range": [min(steps) * 1e3, max(steps) * 1e3],
             "tokens_per_s": 1 / step,
-            "decode_bytes_per_token": decode_weight_bytes(loaded[level].model),
+            "rss_anon_bytes": max(resident) if resident else None,
         }
     base = result["levels"][options.levels[0]]["tokens_per_s"]
     for figures in result["levels"].values():
@@ -112,15 +140,15 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
 def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
     lines = [
         "| level | dtype | decode step (median, range of %d rounds) | tokens/s | vs first | GB read per token "
-        "| of its bound | %d-token prompt |" % (result["rounds"], result["prompt_tokens"]),
-        "|---|---|---|---|---|---|---|---|",
+        "| of its bound | %d-token prompt | anonymous memory, settled |" % (result["rounds"], result["prompt_tokens"]),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for level, f in result["levels"].items():
         bound = (
             "" if bandwidth is None else "%.0f%%" % (100 * f["tokens_per_s"] * f["decode_bytes_per_token"] / bandwidth)
         )
         lines.append(
-            "| %s | %s | %.1f ms (%.1f-%.1f) | %.2f | %.2fx | %.2f | %s | %.2f s (%s) |"
+            "| %s | %s | %.1f ms (%.1f-%.1f) | %.2f | %.2fx | %.2f | %s | %.2f s (%s) | %s |"
             % (
                 level,
                 f["dtype"],
@@ -132,6 +160,7 @@ def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
                 bound,
                 f["prefill_s"],
                 f["prefill_dtype"],
+                "" if f["rss_anon_bytes"] is None else "%.1f GB" % (f["rss_anon_bytes"] / 1e9),
             )
         )
     return "\n".join(lines)
