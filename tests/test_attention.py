@@ -81,7 +81,7 @@ def test_float32_and_prompts_keep_sdpa(monkeypatch):
     assert len(calls) == 1
 
 
-def test_a_loaded_model_decodes_through_it_as_it_would_through_sdpa(tiny_model):
+def test_a_loaded_model_decodes_through_it_as_it_would_through_sdpa(tiny_model, monkeypatch):
     loaded = load_model(
         ModelSettings(model=tiny_model, dtype="bfloat16", prefill_dtype="bfloat16"),
         LimitSettings(max_batch_size=2),
@@ -92,6 +92,14 @@ def test_a_loaded_model_decodes_through_it_as_it_would_through_sdpa(tiny_model):
     # Two left-padded sequences, then one decode step each way.
     ids = torch.tensor([[0, 0, 0, 11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+    calls = []
+    original = attention.one_query_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "one_query_attention", counted)
     steps = {}
     for implementation in (attention.NAME, "sdpa"):
         config._attn_implementation = implementation
@@ -106,6 +114,7 @@ def test_a_loaded_model_decodes_through_it_as_it_would_through_sdpa(tiny_model):
                 logits_to_keep=1,
             )
         steps[implementation] = step.logits.float()
+    assert len(calls) == config.num_hidden_layers  # the decode step of the first pass, every layer
     ours, sdpa = steps[attention.NAME], steps["sdpa"]
     assert torch.allclose(ours, sdpa, atol=0.05 * sdpa.abs().max().item())
     assert torch.equal(ours.argmax(-1), sdpa.argmax(-1))
