@@ -30,6 +30,10 @@ sys.path.insert(0, str(REPO / "tests"))
 WEIGHT_CACHE = tempfile.mkdtemp(prefix="vlserve-test-weight-cache-")
 atexit.register(shutil.rmtree, WEIGHT_CACHE, True)
 os.environ["VLSERVE_WEIGHT_CACHE"] = WEIGHT_CACHE
+# And build vlserve's int8 decode kernel here, once for the whole run (every worker process loads it).
+NATIVE_KERNELS = tempfile.mkdtemp(prefix="vlserve-test-kernels-")
+atexit.register(shutil.rmtree, NATIVE_KERNELS, True)
+os.environ["VLSERVE_NATIVE_KERNELS"] = NATIVE_KERNELS
 
 
 def load_topology(name: str) -> dict:

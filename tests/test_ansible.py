@@ -124,6 +124,16 @@ def test_the_deploy_role_ships_every_package_a_host_runs():
     assert shipped == packages - {"vlserve/bench"}
 
 
+def test_the_deploy_role_ships_every_data_file_of_the_package():
+    """pyproject's package-data (schemas, the page, the kernel's source) is copied by its own glob."""
+    import tomllib  # noqa: PLC0415
+
+    globs = tomllib.loads((REPO / "service/pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    install = (REPO / "roles/vlserve_deploy/tasks/install.yml").read_text()
+    for pattern in globs["vlserve"]:
+        assert "/service/vlserve/%s'" % pattern in install, "install.yml does not copy vlserve/%s" % pattern
+
+
 def test_tuning_roles_take_their_paths_from_the_audit():
     """The files the roles write are the ones the audit reads: named once, in audit.TUNING_FILES."""
     for path in (REPO / "roles").glob("*/tasks/*.yml"):

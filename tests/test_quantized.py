@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3VLForConditionalGeneration
 
 from conftest import run_tool
-from vlserve import quantized
+from vlserve import native, quantized
 from vlserve.packing import PackedLinear, packing_supported
 from vlserve.quantized import (
     INT4_GROUP,
@@ -38,9 +38,16 @@ def test_rows_are_quantized_to_within_half_a_step_and_zero_rows_stay_zero():
     assert torch.equal(values[3], torch.zeros(300, dtype=torch.int8))
 
 
+@pytest.fixture(autouse=True)
+def stock_kernels(monkeypatch):
+    """torch's kernels only: vlserve's own (native.py), loaded by any earlier test of the process, has its
+    tests in test_native.py."""
+    monkeypatch.setattr(native, "_state", native._State())
+
+
 @pytest.fixture(params=["onednn", "weight_int8pack_mm"])
 def int8_backend(request, monkeypatch):
-    """Both int8 products: oneDNN's prepacked one, and torch's weight-only one where oneDNN is missing."""
+    """Both stock int8 products: oneDNN's prepacked one, and torch's weight-only one where oneDNN is missing."""
     if request.param == "onednn" and not quantized.onednn_int8_supported():
         pytest.skip("this torch build has no oneDNN int8 products")
     if request.param != "onednn":

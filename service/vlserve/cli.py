@@ -428,6 +428,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             threads=threads,
             dtype=args.dtype,
             prompt_tokens=args.prompt_tokens,
+            kernels=args.kernels,
         )
     )
     result["read_bandwidth_bytes_per_s"] = measure_read_bandwidth(threads)["bytes_per_s"]
@@ -655,6 +656,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the rest's dtype (default: as planned)",
     )
     decode.add_argument("--prompt-tokens", type=int, default=256, help="prompt timed once per round (default: 256)")
+    decode.add_argument(
+        "--kernels",
+        choices=("auto", "stock", "both"),
+        default="auto",
+        help="int8 products through vlserve's own decode kernel where it runs (auto), torch's only (stock), "
+        "or each quantized level both ways, in turn (both)",
+    )
     decode.add_argument("--json", action="store_true", help="print JSON")
     decode.add_argument("--output", metavar="FILE", help="also write the result as JSON to FILE")
     decode.set_defaults(handler=cmd_bench_decode)

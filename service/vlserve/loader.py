@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vlserve import attention, sizing
+from vlserve import attention, native, sizing
 from vlserve.errors import ModelDirectoryError
 from vlserve.packing import (
     checkpoint_copy_steps,
@@ -181,6 +181,9 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     cache = WeightCache(root, path, level) if root is not None and rounds else None
     prepared = cache.open() if cache is not None else PreparedWeights()
     if level != "none":
+        # Before the weights exist: whether their int8 layouts are reordered for oneDNN depends on it.
+        status("loading the int8 decode kernel (built once per host)")
+        native.enable(model.native_kernel_root())
         status("quantizing the language model to %s" % level)
         copy = prefill_dtype if prefill_dtype not in (level, choices.dtype) else None
         count = pack_language_model(

@@ -30,6 +30,8 @@ import functools
 
 import torch
 
+from vlserve import native
+
 INT8_MAX = 127
 INT8_PREFILL_ROWS = 16  # int8 overtakes the packed bf16 product from ~8 rows (2048x6144: 1.4 vs 2.4 ms at 16)
 INT4_GROUP = 32
@@ -156,7 +158,9 @@ class Int8Weight:
 
     @property
     def layout_pending(self) -> bool:
-        return self.packed is None and onednn_int8_supported()
+        """Whether `finish_layout` would reorder: not where vlserve's own kernel runs, since it reads the
+        plain layout, and `torch._int_mm` on it matched the prepacked kernel from 64 rows (native.py)."""
+        return self.packed is None and onednn_int8_supported() and native.int8_linear() is None
 
     def finish_layout(self) -> None:
         """Reorder into oneDNN's prepacked layout, where this CPU has it, and let go of the plain values."""
@@ -172,6 +176,9 @@ class Int8Weight:
         """rows (n, in) of any float dtype -> (n, out) float32."""
         if self.packed is not None:
             return _onednn_product(self.packed, rows, self.scales, self.bias)
+        kernel = native.int8_linear()
+        if kernel is not None and rows.shape[0] <= native.MAX_ROWS and self.shape[1] % native.INPUT_MULTIPLE == 0:
+            return kernel(rows, self.values, self.scales, self.bias)  # equal to the path below, bit for bit
         if onednn_int8_supported():  # the same integer product, on the plain layout
             values, row_scales = quantize_rows(rows)
             out = torch._int_mm(values, self.values.t()).float().mul_(row_scales[:, None]).mul_(self.scales)
@@ -198,12 +205,32 @@ def _int4_groups(matrix: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     return levels.to(torch.int32).reshape(rows, columns), scales, low + 8 * scales
 
 
-class Int4Weight:
-    """A linear layer's weight as 4-bit levels in groups of `group` inputs, in the int4 kernel's layout.
+def int4_tiles(levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels (out, in) 0..15 with scales and zeros (out, in / 32) -> vlserve's int4 kernel's layout
+    (kernels/decode_vnni.cpp): per 16 outputs and group of 32 inputs, four 64-byte lines whose byte j
+    holds output j // 4's inputs 8l + j % 4 (low nibble) and 8l + 4 + j % 4 (high nibble); and per 16
+    outputs and group, their 16 bfloat16 scales then their 16 zeros."""
+    rows, columns = levels.shape
+    tiles, groups = rows // INT4_ROW_BLOCK, columns // INT4_GROUP
+    split = levels.to(torch.uint8).reshape(tiles, INT4_ROW_BLOCK, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    packed = (split[..., 0] | (split[..., 1] << 4)).reshape(tiles, groups * INT4_GROUP * INT4_ROW_BLOCK // 2)
 
-    The kernel is fed bfloat16 whatever the model's dtype: its float32 path is far slower (9.3 ms per
-    6144x2048 product against 0.19 ms with AVX-512 and 0.64 ms held to AVX2), and rounding inputs to
-    bfloat16 is small beside rounding weights to 4 bits."""
+    def per_tile(values: torch.Tensor) -> torch.Tensor:
+        return values.to(torch.bfloat16).reshape(tiles, INT4_ROW_BLOCK, groups).permute(0, 2, 1)
+
+    params = torch.stack([per_tile(scales), per_tile(zeros)], dim=2).reshape(tiles, groups * 2 * INT4_ROW_BLOCK)
+    return packed.contiguous(), params.contiguous()
+
+
+class Int4Weight:
+    """A linear layer's weight as 4-bit levels in groups of `group` inputs, in its kernel's layout:
+    vlserve's own (`tiled`, native.py) where it runs, else torch's `_weight_int4pack_mm_for_cpu`.
+
+    torch's kernel is fed bfloat16 whatever the model's dtype: its float32 path is far slower (9.3 ms
+    per 6144x2048 product against 0.19 ms with AVX-512 and 0.64 ms held to AVX2), and rounding inputs
+    to bfloat16 is small beside rounding weights to 4 bits. vlserve's rounds them to int8 per block
+    of 32 (twice the stock kernel's error on random data: 0.57% against 0.29%) and reads the weights
+    as integers: one decode step's int4 products about twice as fast here (docs/benchmarks.md)."""
 
     dtype = torch.quint4x2
     kernel_dtype = torch.bfloat16
@@ -220,24 +247,35 @@ class Int4Weight:
             )
         levels, scales, zeros = _in_chunks(weight.detach(), functools.partial(_int4_groups, group=group))
         self.shape, self.group = (rows, columns), group
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 1)  # (out, in / 2) uint8
-        # (groups, out, 2), as the kernel wants them.
-        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(self.kernel_dtype).contiguous()
+        self.tiled = group == INT4_GROUP and native.int4_linear() is not None
+        if self.tiled:
+            self.packed, self.scales_and_zeros = int4_tiles(levels, scales, zeros)
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 1)  # (out, in / 2) uint8
+            # (groups, out, 2), as the kernel wants them.
+            self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(self.kernel_dtype).contiguous()
         self.bias = None if bias is None else bias.detach().float()
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> Int4Weight:
         """The weight whose `tensors()` these are (mapped from the weight cache: not copied)."""
         weight = cls.__new__(cls)
-        weight.packed, weight.scales_and_zeros = tensors["packed"], tensors["scales_and_zeros"]
+        weight.tiled = "tiles" in tensors
         weight.bias = tensors.get("bias")
-        rows, half = weight.packed.shape
-        weight.shape, weight.group = (rows, 2 * half), 2 * half // weight.scales_and_zeros.shape[0]
+        if weight.tiled:
+            weight.packed, weight.scales_and_zeros = tensors["tiles"], tensors["tile_params"]
+            tiles, width = weight.packed.shape
+            weight.shape, weight.group = (tiles * INT4_ROW_BLOCK, 2 * width // INT4_ROW_BLOCK), INT4_GROUP
+        else:
+            weight.packed, weight.scales_and_zeros = tensors["packed"], tensors["scales_and_zeros"]
+            rows, half = weight.packed.shape
+            weight.shape, weight.group = (rows, 2 * half), 2 * half // weight.scales_and_zeros.shape[0]
         return weight
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Plain tensors that rebuild this weight (the kernel's layout is plain uint8: nothing to redo)."""
-        found = {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros}
+        """Plain tensors that rebuild this weight (both kernels' layouts are plain uint8: nothing to redo)."""
+        names = ("tiles", "tile_params") if self.tiled else ("packed", "scales_and_zeros")
+        found = dict(zip(names, (self.packed, self.scales_and_zeros), strict=True))
         return found if self.bias is None else {**found, "bias": self.bias}
 
     @property
@@ -245,18 +283,25 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (n, in) of any float dtype -> (n, out) in bfloat16 (the kernel's), float32 with a bias:
-        the caller converts to its own dtype, so a bfloat16 model makes no round trip through float32."""
+        """rows (n, in) of any float dtype -> (n, out) in bfloat16 (torch's kernel) or float32 (vlserve's,
+        and with a bias): the caller converts to its own dtype, so a bfloat16 model makes no round trip
+        through float32 on torch's kernel."""
         out = self._product(rows)
         return out if self.bias is None else out.float().add_(self.bias)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            kernel = native.int4_linear()
+            if kernel is None:  # the weight cache keys its int4 files by layout: not reached in a worker
+                raise RuntimeError("an int4 weight in vlserve's layout, but its kernel is not loaded")
+            return kernel(rows, self.packed, self.scales_and_zeros)
         return torch._weight_int4pack_mm_for_cpu(
             rows.to(self.kernel_dtype), self.packed, self.group, self.scales_and_zeros
         )
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight this one stands for, read back through a product with the identity."""
+        """The float32 weight this one stands for, read back through a product with the identity (whose
+        rows each kernel takes exactly)."""
         return self._product(torch.eye(self.shape[1], dtype=self.kernel_dtype)).float().t().contiguous()
 
 

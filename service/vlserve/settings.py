@@ -6,6 +6,7 @@ derives its flags from these models, so the three cannot disagree.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +31,18 @@ class ServerSettings(BaseSettings):
         "status page; unset or unreadable: the plan this process computes for itself",
     )
     served_model_name: str = Field("qwen3-vl-2b-instruct", description="model id in /v1/models and responses")
+
+
+def _cache_dir(setting: str, name: str) -> Path | None:
+    """A per-host cache directory setting: off -> None; auto -> systemd's CacheDirectory= (in
+    $CACHE_DIRECTORY), else $XDG_CACHE_HOME or ~/.cache, under vlserve/<name>; else the path given."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return Path(setting)
+    if os.environ.get("CACHE_DIRECTORY"):
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0]) / name
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlserve" / name
 
 
 class ModelSettings(BaseSettings):
@@ -83,20 +96,28 @@ class ModelSettings(BaseSettings):
         "CacheDirectory=, else ~/.cache/vlserve/weights; off: round at every start",
     )
 
-    @field_validator("weight_cache")
+    native_kernels: str = Field(
+        "auto",
+        description="directory where the first start builds vlserve's int8 decode kernel with the host's C++ "
+        "compiler, for every later start to load (rebuilt when its source, torch or the compiler change); used "
+        "where the CPU has AVX-512 VNNI, stock kernels elsewhere; auto: systemd's CacheDirectory=, else "
+        "~/.cache/vlserve/kernels; off: stock kernels only",
+    )
+
+    @field_validator("weight_cache", "native_kernels")
     @classmethod
-    def _auto_off_or_absolute(cls, value: str) -> str:
+    def _auto_off_or_absolute(cls, value: str, info) -> str:
         if value not in ("auto", "off") and not Path(value).is_absolute():
-            raise ValueError("weight_cache must be auto, off or an absolute directory, not %r" % value)
+            raise ValueError("%s must be auto, off or an absolute directory, not %r" % (info.field_name, value))
         return value
 
     def weight_cache_root(self) -> Path | None:
         """The weight cache's directory, None when off."""
-        from vlserve.weightcache import default_root  # noqa: PLC0415 - imports torch
+        return _cache_dir(self.weight_cache, "weights")
 
-        if self.weight_cache == "off":
-            return None
-        return default_root() if self.weight_cache == "auto" else Path(self.weight_cache)
+    def native_kernel_root(self) -> Path | None:
+        """The compiled kernel's directory, None when off."""
+        return _cache_dir(self.native_kernels, "kernels")
 
     @model_validator(mode="after")
     def _pixels_in_order(self) -> ModelSettings:

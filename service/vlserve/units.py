@@ -84,6 +84,7 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         "model_dir": str(options["model_dir"]),
         "state_dir": str(options["state_dir"]),
         "cache_dir": str(options["cache_dir"]),
+        "native_kernels": "%s/kernels" % options["cache_dir"] if options.get("native_kernels", True) else "off",
         "start_timeout_s": int(options["start_timeout_s"]),
         "image_url_hosts": list(options.get("settings", {}).get("image_url_hosts", [])),
         "settings": settings,

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from vlserve import native
 from vlserve.quantized import INT4_GROUP
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,6 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def default_root() -> Path:
-    """systemd's CacheDirectory= (in $CACHE_DIRECTORY), else $XDG_CACHE_HOME or ~/.cache, under vlserve/weights."""
-    if os.environ.get("CACHE_DIRECTORY"):
-        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0]) / "weights"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vlserve" / "weights"
-
-
 def _safetensors_header(path: Path) -> bytes:
     with path.open("rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
@@ -80,6 +73,7 @@ def cache_key(model_dir: Path, level: str) -> dict[str, Any]:
         "format": FORMAT,
         "level": level,
         "int4_group": INT4_GROUP,
+        **({"int4_layout": native.int4_layout()} if level == "int4" else {}),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "model": files,
@@ -128,7 +122,9 @@ class WeightCache:
     def __init__(self, root: Path, model_dir: Path, level: str):
         self.model_dir, self.level = model_dir, level
         place = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
-        self.path = root / ("%s-%s-%s.safetensors" % (model_dir.resolve().name, place, level))
+        # int4 weights in each kernel's layout have a file each: switching kernels rounds nothing again.
+        variant = "%s-%s" % (level, native.int4_layout()) if level == "int4" else level
+        self.path = root / ("%s-%s-%s.safetensors" % (model_dir.resolve().name, place, variant))
         self.key = cache_key(model_dir, level)
 
     def open(self) -> PreparedWeights:

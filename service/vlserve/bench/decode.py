@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vlserve import native
 from vlserve.kvcache import new_cache
 from vlserve.loader import load_model
 from vlserve.settings import LimitSettings, ModelSettings
@@ -34,6 +35,17 @@ class DecodeOptions:
     threads: int | None = None
     dtype: str = "auto"  # what is not quantized (and the exact level): as the plan, or forced
     prompt_tokens: int = 256
+    kernels: str = "auto"  # auto: vlserve's own kernel where it runs; stock: torch's only; both: each in turn
+
+    def turns(self) -> list[tuple[str, str, bool]]:
+        """(label, level, own kernel allowed) for each turn of a round."""
+        found = []
+        for level in self.levels:
+            if self.kernels in ("auto", "both") or level == "none":
+                found.append((level, level, True))
+            if self.kernels in ("stock", "both") and level != "none":
+                found.append((level if self.kernels == "stock" else level + " (stock kernels)", level, False))
+        return found
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -83,10 +95,15 @@ def _rss_anon_bytes() -> int | None:
     return None
 
 
-def _measure_level(options: DecodeOptions, level: str) -> dict[str, Any]:
+def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict[str, Any]:
     """In a fresh process: load `level` as a worker does, finish its after-ready work, time it."""
     settings = ModelSettings(
-        model=options.model, quantize=level, dtype=options.dtype, threads=options.threads, warmup=False
+        model=options.model,
+        quantize=level,
+        dtype=options.dtype,
+        threads=options.threads,
+        warmup=False,
+        **({} if own_kernel else {"native_kernels": "off"}),
     )
     loaded = load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
     loaded.settle()  # timed as a settled worker runs: kernel layouts and prompt copies made
@@ -99,18 +116,20 @@ def _measure_level(options: DecodeOptions, level: str) -> dict[str, Any]:
         "step_s": statistics.median(steps),
         "decode_bytes_per_token": decode_weight_bytes(loaded.model),
         "rss_anon_bytes": _rss_anon_bytes(),
+        "kernels": native.status(),
     }
 
 
 def bench_decode(options: DecodeOptions) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {level: [] for level in options.levels}
+    turns = options.turns()
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in turns}
     # One fresh process per level and round: the levels at once hold ~20 GB of the real-size model,
     # and on a 24 GB host the exact level's 12 GB slowed int8's steps from 44 to 61 ms.
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn, max_tasks_per_child=1) as pool:
         for _ in range(options.rounds):
-            for level in options.levels:
-                runs[level].append(pool.submit(_measure_level, options, level).result())
+            for label, level, own_kernel in turns:
+                runs[label].append(pool.submit(_measure_level, options, level, own_kernel).result())
     result: dict[str, Any] = {
         "tokens": options.tokens,
         "rounds": options.rounds,
@@ -123,7 +142,10 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
         resident = [run["rss_anon_bytes"] for run in measured if run["rss_anon_bytes"] is not None]
         step = statistics.median(steps)
         result["levels"][level] = {
-            **{name: measured[0][name] for name in ("quantize", "dtype", "prefill_dtype", "decode_bytes_per_token")},
+            **{
+                name: measured[0][name]
+                for name in ("quantize", "dtype", "prefill_dtype", "decode_bytes_per_token", "kernels")
+            },
             "prefill_s": statistics.median(prefills),
             "prefill_s_range": [min(prefills), max(prefills)],
             "step_ms": step * 1e3,
@@ -131,7 +153,7 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
             "tokens_per_s": 1 / step,
             "rss_anon_bytes": max(resident) if resident else None,
         }
-    base = result["levels"][options.levels[0]]["tokens_per_s"]
+    base = result["levels"][turns[0][0]]["tokens_per_s"]
     for figures in result["levels"].values():
         figures["speedup"] = figures["tokens_per_s"] / base
     return result

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
+from vlserve import native
 from vlserve.api.dependencies import EngineDep, MetricsDep
 from vlserve.api.errors import error_response, not_ready
 
@@ -36,6 +37,7 @@ async def readyz(engine: EngineDep):
         "threads": engine.threads,
         "packed_weights": engine.packed,
         "quantize": engine.quantize,
+        "kernels": native.status(),
     }
 
 

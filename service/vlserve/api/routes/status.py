@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from vlserve import native
 from vlserve.api.dependencies import EngineDep, MetricsDep, SettingsDep
 from vlserve.sizing import format_cpu_list
 
@@ -95,6 +96,7 @@ async def status(request: Request, engine: EngineDep, settings: SettingsDep, met
             "quantize": engine.quantize,
             "packed_weights": engine.packed,
             "threads": engine.threads,
+            "kernels": native.status(),
         }
         if engine.model is not None
         else None,

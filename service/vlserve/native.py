@@ -1,0 +1,238 @@
+"""vlserve's own CPU kernel (kernels/int8_vnni.cpp), compiled once per host and loaded by every worker.
+
+The int8 level decodes through it: one to four rows times plain int8 weights at the speed the
+weights stream from memory, where oneDNN's int8 kernels (`torch._int_mm` and the prepacked ones)
+reach about half of it for one row (forty-eight 6144x2048 products here, one row: 62 against
+126-136 ms; four rows: 84-90 against 117-134 ms). Its result equals `torch._int_mm`'s path bit for
+bit (the source says how).
+
+It is built with the host's C++ compiler against the installed torch, the first time a worker needs
+it, into `<cache>/int8_vnni-<key>.so`; the key digests the source, torch's version, the compiler's
+version and the flags, so an upgrade of any of them builds a new file and never loads a stale one.
+Builds are serialised by a lock file, written to a temporary name and renamed, so workers starting
+together build it once and none loads a half-written file. Loading runs a check product against the
+Python path before the kernel is used.
+
+Where it cannot be had (not x86-64, no AVX-512 VNNI, torch held below AVX-512 by
+ATEN_CPU_CAPABILITY, no compiler, a failed build or check, or the setting off) the reason is logged
+once and the stock kernels serve, with the same numerics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "decode_vnni.cpp"
+MAX_ROWS = 4  # the kernel's rows per call: decode batches up to four; more rows go to torch._int_mm
+INPUT_MULTIPLE = 64  # its inputs per vpdpbusd: a layer whose inputs are not a multiple stays stock
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
+BUILD_TIMEOUT_S = 600
+
+
+class NativeUnavailable(Exception):
+    """Why the native kernel cannot serve on this host, in one line."""
+
+
+def cpu_reason() -> str | None:
+    """Why this CPU (or torch's view of it) cannot run the kernel; None when it can."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "not an x86-64 CPU (%s)" % platform.machine()
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AVX512_BF16", "AMX"):  # names torch has used for AVX-512 and up
+        return "torch runs its kernels at %s (ATEN_CPU_CAPABILITY or the CPU), below AVX-512" % capability
+    try:
+        flags = next(
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return "cannot read the CPU's flags from /proc/cpuinfo"
+    missing = [flag for flag in CPU_FLAGS if flag not in flags]
+    return "the CPU lacks %s" % ", ".join(missing) if missing else None
+
+
+def compiler() -> str:
+    """The C++ compiler: $CXX, else c++ or g++ on PATH."""
+    found = shutil.which(os.environ.get("CXX", "")) if os.environ.get("CXX") else None
+    found = found or shutil.which("c++") or shutil.which("g++")
+    if not found:
+        raise NativeUnavailable("no C++ compiler (install g++, or set CXX)")
+    return found
+
+
+def _command(cxx: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension  # noqa: PLC0415 - only when building
+
+    includes = ["-I" + path for path in cpp_extension.include_paths()]
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    abi = "-D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        cxx,
+        *COMPILE_FLAGS,
+        abi,
+        *includes,
+        str(SOURCE),
+        "-L" + torch_lib,
+        "-lc10",
+        "-ltorch_cpu",
+        "-o",
+        str(output),
+    ]
+
+
+def library_path(root: Path, cxx: str) -> Path:
+    """Where the build for this source, torch, compiler and flags lives."""
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise NativeUnavailable("the compiler %s does not run (%s)" % (cxx, error)) from error
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode()):
+        key.update(hashlib.sha256(part).digest())
+    key.update((sysconfig.get_config_var("SOABI") or "").encode())
+    return root / ("decode_vnni-%s.so" % key.hexdigest()[:16])
+
+
+def build(root: Path) -> tuple[Path, bool]:
+    """The compiled library under `root`, built unless already there: (path, whether built now)."""
+    cxx = compiler()
+    path = library_path(root, cxx)
+    if path.is_file():
+        return path, False
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock = (root / ".build.lock").open("w")
+    except OSError as error:
+        raise NativeUnavailable("cannot write %s (%s)" % (root, error)) from error
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building it: wait, then find it
+        if path.is_file():
+            return path, False
+        handle, temporary = tempfile.mkstemp(dir=root, prefix=".", suffix=".so.partial")
+        os.close(handle)
+        try:
+            result = subprocess.run(
+                _command(cxx, Path(temporary)), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+            )
+            if result.returncode != 0:
+                log.warning("native kernel: the build failed:\n%s", result.stderr[-4000:])
+                last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+                raise NativeUnavailable("the build with %s failed: %s" % (cxx, last))
+            os.replace(temporary, path)
+        except subprocess.TimeoutExpired as error:
+            raise NativeUnavailable("the build took over %d s" % BUILD_TIMEOUT_S) from error
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    return path, True
+
+
+def _check(ops) -> None:
+    """The loaded kernels against references on a few shapes: a miscompiled build is not used. int8:
+    the Python path, bit for bit. int4: the same rounded quantities summed in float64."""
+    from vlserve.quantized import INT4_GROUP, _int4_groups, int4_tiles, quantize_rows  # noqa: PLC0415 - cyclic
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, inputs, outputs in ((1, 64, 5), (3, 192, 12), (4, 128, 9)):
+        weight, scales = quantize_rows(torch.randn(outputs, inputs, generator=generator))
+        x = torch.randn(rows, inputs, generator=generator)
+        bias = torch.randn(outputs, generator=generator)
+        values, row_scales = quantize_rows(x)
+        sums = values.double() @ weight.double().t()  # exact: integers far below 2**53
+        expected = sums.float().mul_(row_scales[:, None]).mul_(scales).add_(bias)
+        got = ops.int8_linear(x, weight, scales, bias)
+        if not torch.equal(got, expected):
+            raise NativeUnavailable("its int8 check differs from the reference by %.3g" % (got - expected).abs().max())
+    for rows, inputs, outputs in ((1, 128, 64), (3, 64, 16), (6, 96, 32)):
+        levels, scales, zeros = _int4_groups(torch.randn(outputs, inputs, generator=generator), INT4_GROUP)
+        x = torch.randn(rows, inputs, generator=generator)
+        blocks, block_scales = quantize_rows(x.reshape(-1, INT4_GROUP))  # the kernel's input rounding
+        x_rounded = (blocks.double() * block_scales.double()[:, None]).reshape(rows, inputs)
+        scale_w, zero_w = scales.bfloat16().double(), zeros.bfloat16().double()
+        weight = (levels.double() - 8) * scale_w.repeat_interleave(INT4_GROUP, 1) + zero_w.repeat_interleave(
+            INT4_GROUP, 1
+        )
+        expected = x_rounded @ weight.t()
+        got = ops.int4_linear(x, *int4_tiles(levels, scales, zeros)).double()
+        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())):
+            raise NativeUnavailable("its int4 check differs from the reference by %.3g" % (got - expected).abs().max())
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ops = None
+        self.status = "not requested"
+
+
+_state = _State()
+
+
+def enable(root: Path | None) -> str:
+    """Build (when missing) and load the kernel from `root` (None: off); returns the status line that
+    is also logged and shown on /status. Later calls return the first call's outcome."""
+    with _state.lock:
+        if _state.status != "not requested":
+            return _state.status
+        try:
+            if root is None:
+                raise NativeUnavailable("switched off (native_kernels: off)")
+            reason = cpu_reason()
+            if reason:
+                raise NativeUnavailable(reason)
+            path, built = build(root)
+            torch.ops.load_library(str(path))
+            ops = torch.ops.vlserve
+            _check(ops)
+        except NativeUnavailable as error:
+            _state.status = "stock kernels: %s" % error
+            log.info("native kernel: %s", _state.status)
+        except (OSError, RuntimeError) as error:  # load_library's and the op's errors
+            _state.status = "stock kernels: the built kernel does not load (%s)" % str(error).splitlines()[0]
+            log.warning("native kernel: %s", _state.status)
+        else:
+            _state.ops = ops
+            _state.status = "vlserve's int8/int4 decode kernels %s %s" % (
+                "built into" if built else "loaded from",
+                path,
+            )
+            log.info("native kernel: %s", _state.status)
+        return _state.status
+
+
+def status() -> str:
+    return _state.status
+
+
+def int8_linear():
+    """The loaded int8 op, or None: (rows <= MAX_ROWS, in) float x (out, in) int8, scales, bias ->
+    (rows, out) float32."""
+    return None if _state.ops is None else _state.ops.int8_linear
+
+
+def int4_linear():
+    """The loaded int4 op, or None: (rows, in) float x tiles, params (quantized.int4_tiles) -> (rows, out)
+    float32."""
+    return None if _state.ops is None else _state.ops.int4_linear
+
+
+def int4_layout() -> str:
+    """Which layout int4 weights take in this process (the weight cache keeps each in its own file)."""
+    return "tiles" if int4_linear() is not None else "int4pack"

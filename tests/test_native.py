@@ -1,0 +1,254 @@
+"""vlserve's own int8 decode kernel: built once, equal to the stock path bit for bit, and never in the
+way where it cannot run (no compiler, a failed build, a CPU or torch held below AVX-512 VNNI)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import NATIVE_KERNELS
+from vlserve import native
+from vlserve.quantized import INT4_GROUP, Int4Weight, Int8Weight, _int4_groups, int4_tiles, quantize_rows
+from vlserve.weightcache import WeightCache
+
+CPU_REASON = native.cpu_reason()
+needs_vnni = pytest.mark.skipif(CPU_REASON is not None, reason="the kernel cannot run here: %s" % CPU_REASON)
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """`native.enable` as a new process sees it (it keeps its first outcome for the process)."""
+    monkeypatch.setattr(native, "_state", native._State())
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if CPU_REASON is not None:
+        pytest.skip("the kernels cannot run here: %s" % CPU_REASON)
+    path, _ = native.build(pathlib.Path(NATIVE_KERNELS))
+    torch.ops.load_library(str(path))
+    return torch.ops.vlserve
+
+
+@pytest.fixture(scope="module")
+def kernel(ops):
+    return ops.int8_linear
+
+
+@pytest.fixture
+def loaded(fresh_state):
+    """The kernels loaded as a worker loads them."""
+    if CPU_REASON is not None:
+        pytest.skip("the kernels cannot run here: %s" % CPU_REASON)
+    status = native.enable(pathlib.Path(NATIVE_KERNELS))
+    assert status.startswith("vlserve's int8/int4 decode kernels "), status
+
+
+def stock(weight: Int8Weight, rows: torch.Tensor) -> torch.Tensor:
+    """The Python path the kernel replaces: inputs rounded per row, `torch._int_mm`, rescaled."""
+    values, row_scales = quantize_rows(rows)
+    out = torch._int_mm(values, weight.values.t()).float().mul_(row_scales[:, None]).mul_(weight.scales)
+    return out if weight.bias is None else out.add_(weight.bias)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 64), (4099, 2048), (12, 6144)])
+def test_the_kernel_equals_the_stock_int8_path_bit_for_bit(kernel, shape, dtype):
+    """Every row count it takes (1-4), with and without a bias, outputs not a multiple of its tile of
+    four, rows of wildly different scales and a row of zeros."""
+    torch.manual_seed(sum(shape))
+    outputs, inputs = shape
+    for bias in (None, torch.randn(outputs)):
+        weight = Int8Weight(torch.randn(outputs, inputs) * torch.rand(outputs, 1), bias, prepack=False)
+        for rows in range(1, native.MAX_ROWS + 1):
+            x = (torch.randn(rows, inputs) * torch.logspace(-3, 3, rows)[:, None]).to(dtype)
+            if rows == 3:
+                x[1] = 0
+            got = kernel(x, weight.values, weight.scales, weight.bias)
+            assert got.dtype == torch.float32 and got.shape == (rows, outputs)
+            assert torch.equal(got, stock(weight, x))
+
+
+@needs_vnni
+def test_the_kernel_is_close_to_the_float_product(kernel):
+    torch.manual_seed(7)
+    weight, x = torch.randn(256, 2048), torch.randn(2, 2048)
+    layer = Int8Weight(weight, prepack=False)
+    got = kernel(x, layer.values, layer.scales, None)
+    assert float((got - x @ weight.t()).norm() / (x @ weight.t()).norm()) < 0.02
+
+
+@needs_vnni
+def test_the_kernel_refuses_what_it_cannot_multiply(kernel):
+    weight = Int8Weight(torch.randn(8, 128), prepack=False)
+    for x, values, message in (
+        (torch.randn(5, 128), weight.values, "1 to 4 rows"),
+        (torch.randn(1, 96), torch.zeros(8, 96, dtype=torch.int8), "multiples of 64"),
+        (torch.randn(1, 128), weight.values.float(), "contiguous int8"),
+        (torch.randn(1, 128), weight.values.t().contiguous().t(), "contiguous int8"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            kernel(x, values, weight.scales if values.shape[0] == 8 else torch.ones(values.shape[0]), None)
+
+
+def test_an_int8_weight_uses_the_kernel_for_decode_rows_only(loaded, monkeypatch):
+    """Up to four rows of a layer whose inputs are a multiple of 64 go through the kernel; prompts and
+    other layers through `torch._int_mm` on the same plain values, which stay plain (no oneDNN reorder)."""
+    calls = []
+    loaded = native.int8_linear()
+    monkeypatch.setattr(native, "int8_linear", lambda: lambda *args: calls.append(args[0].shape) or loaded(*args))
+    torch.manual_seed(3)
+    weight = Int8Weight(torch.randn(32, 128), torch.randn(32))
+    assert weight.packed is None and not weight.layout_pending
+    for rows in (1, 4, 5, 40):
+        weight.matmul(torch.randn(rows, 128))
+    Int8Weight(torch.randn(32, 96)).matmul(torch.randn(1, 96))
+    assert calls == [(1, 128), (4, 128)]
+
+
+def test_a_second_build_loads_the_first_and_a_new_source_builds_anew(tmp_path, monkeypatch):
+    """(Building needs only a compiler, whatever the CPU.)"""
+    first, built = native.build(tmp_path)
+    assert built and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    again, built = native.build(tmp_path)
+    assert (again, built) == (first, False) and again.stat().st_mtime_ns == stamp
+    changed = tmp_path / "changed.cpp"
+    changed.write_text(native.SOURCE.read_text() + "\n// another revision\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    other, built = native.build(tmp_path)
+    assert built and other != first and first.is_file()
+    assert sorted(path.name for path in tmp_path.glob("*.so*")) == sorted([first.name, other.name])  # no partial
+
+
+def test_workers_starting_together_build_it_once(tmp_path):
+    """Two processes build into one empty directory at once: one compiles, the other waits for it."""
+    script = "import pathlib, sys; from vlserve import native; print(native.build(pathlib.Path(sys.argv[1]))[1])"
+    runs = [
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = sorted(run.communicate(timeout=600)[0].strip() for run in runs)
+    assert outputs == ["False", "True"]
+    assert len(list(tmp_path.glob("*.so"))) == 1
+
+
+def test_a_failed_build_leaves_the_stock_kernels_with_its_reason(tmp_path, monkeypatch, fresh_state):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    if native.cpu_reason() is None:
+        status = native.enable(tmp_path / "kernels")
+        assert status.startswith("stock kernels: the build with") and "failed" in status
+        assert "\n" not in status
+    with pytest.raises(native.NativeUnavailable, match="failed"):
+        native.build(tmp_path / "kernels")
+    assert native.int8_linear() is None
+    assert not list((tmp_path / "kernels").glob("*.so*"))  # no partial file either
+    weight = Int8Weight(torch.randn(16, 64), prepack=False)  # and the stock path still multiplies
+    assert weight.matmul(torch.randn(1, 64)).shape == (1, 16)
+
+
+def test_without_a_compiler_the_reason_says_what_to_install(tmp_path, monkeypatch, fresh_state):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(native.NativeUnavailable, match=re.escape("no C++ compiler (install g++")):
+        native.build(tmp_path)
+    if native.cpu_reason() is None:
+        assert native.enable(tmp_path) == "stock kernels: no C++ compiler (install g++, or set CXX)"
+
+
+def test_switched_off_it_is_not_built(tmp_path, fresh_state):
+    assert native.enable(None) == "stock kernels: switched off (native_kernels: off)"
+    assert native.int8_linear() is None
+
+
+@needs_vnni
+def test_torch_held_to_avx2_keeps_the_stock_kernels(tmp_path):
+    """As a laptop is imitated here (ATEN_CPU_CAPABILITY=avx2): the kernel, which needs AVX-512, is not
+    loaded even though this CPU has it, so an AVX2 measurement measures what an AVX2 host runs."""
+    script = textwrap.dedent(
+        """
+        import pathlib, sys
+        from vlserve import native
+        print(native.enable(pathlib.Path(sys.argv[1])))
+        """
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.strip().startswith("stock kernels: torch runs its kernels at AVX2"), result.stderr
+    assert not list(tmp_path.iterdir())  # nothing built
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+def test_the_int4_kernel_sums_the_rounded_weights_and_inputs(ops, rows):
+    """Its result is the float64 sum of what it rounds: the weights' levels, scales and zeros (bfloat16),
+    the inputs in int8 blocks of 32; on one row four tiles at a time, on more in tiles of four rows."""
+    torch.manual_seed(rows)
+    outputs, inputs = 128, 6 * INT4_GROUP
+    levels, scales, zeros = _int4_groups(torch.randn(outputs, inputs) * torch.rand(outputs, 1), INT4_GROUP)
+    x = torch.randn(rows, inputs) * torch.logspace(-2, 2, inputs)
+    blocks, block_scales = quantize_rows(x.reshape(-1, INT4_GROUP))
+    rounded = (blocks.double() * block_scales.double()[:, None]).reshape(rows, inputs)
+    weight = (levels.double() - 8) * scales.bfloat16().double().repeat_interleave(INT4_GROUP, 1)
+    weight += zeros.bfloat16().double().repeat_interleave(INT4_GROUP, 1)
+    got = ops.int4_linear(x, *int4_tiles(levels, scales, zeros))
+    assert got.dtype == torch.float32 and got.shape == (rows, outputs)
+    expected = rounded @ weight.t()
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@needs_vnni
+def test_the_int4_kernel_refuses_a_layout_it_does_not_know(ops):
+    levels, scales, zeros = _int4_groups(torch.randn(32, 64), INT4_GROUP)
+    tiles, params = int4_tiles(levels, scales, zeros)
+    for x, t, p, message in (
+        (torch.randn(1, 48), tiles, params, "groups of 32"),
+        (torch.randn(1, 64), tiles[:, :-1].contiguous(), params, "tiles must be"),
+        (torch.randn(1, 64), tiles, params.float(), "scales and zeros must be"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            ops.int4_linear(x, t, p)
+
+
+def test_an_int4_weight_takes_the_kernels_layout_and_keeps_it_through_the_cache(loaded):
+    torch.manual_seed(11)
+    weight, bias = torch.randn(48, 4 * INT4_GROUP), torch.randn(48)
+    layer = Int4Weight(weight, bias)
+    assert layer.tiled and set(layer.tensors()) == {"tiles", "tile_params", "bias"}
+    again = Int4Weight.from_tensors(layer.tensors())
+    assert (again.tiled, again.shape, again.group) == (True, layer.shape, layer.group)
+    rows = torch.randn(3, 4 * INT4_GROUP)
+    assert torch.equal(again.matmul(rows), layer.matmul(rows))
+    # Within half a rounding step of each group (plus the bfloat16 scales), as the stock layout.
+    grouped = weight.reshape(48, 4, INT4_GROUP)
+    step = (grouped.amax(-1) - grouped.amin(-1)) / 15
+    error = (layer.dequantized().reshape(48, 4, INT4_GROUP) - grouped).abs().amax(-1)
+    assert torch.all(error <= 0.5 * step + 2e-2 * grouped.abs().amax(-1))
+    exact = rows @ weight.t() + bias
+    assert float((layer.matmul(rows) - exact).norm() / exact.norm()) < 0.1
+
+
+def test_int4_cache_files_are_kept_per_layout(loaded, tmp_path):
+    """Switching the kernels (a setting, a CPU held to AVX2) maps the other layout's file, never this one."""
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    tiled = WeightCache(tmp_path / "cache", checkpoint, "int4")
+    assert tiled.key["int4_layout"] == "tiles" and tiled.path.name.endswith("-int4-tiles.safetensors")
+    native._state = native._State()  # restored by fresh_state
+    native.enable(None)
+    stock = WeightCache(tmp_path / "cache", checkpoint, "int4")
+    assert stock.key["int4_layout"] == "int4pack" and stock.path != tiled.path
+    assert "int4_layout" not in WeightCache(tmp_path / "cache", checkpoint, "int8").key
