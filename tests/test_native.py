@@ -15,7 +15,9 @@ import torch
 
 from conftest import NATIVE_KERNELS
 from vlserve import native
+from vlserve.loader import load_model
 from vlserve.quantized import INT4_GROUP, Int4Weight, Int8Weight, _int4_groups, int4_tiles, quantize_rows
+from vlserve.settings import LimitSettings, ModelSettings
 from vlserve.weightcache import WeightCache
 
 CPU_REASON = native.cpu_reason()
@@ -252,3 +254,34 @@ def test_int4_cache_files_are_kept_per_layout(loaded, tmp_path):
     stock = WeightCache(tmp_path / "cache", checkpoint, "int4")
     assert stock.key["int4_layout"] == "int4pack" and stock.path != tiled.path
     assert "int4_layout" not in WeightCache(tmp_path / "cache", checkpoint, "int8").key
+
+
+def test_a_worker_at_int4_maps_the_file_of_the_layout_its_kernels_take(tiny_model, tmp_path, fresh_state):
+    """The kernels load before the weight cache is opened: with them, int4 weights are tiled and live in
+    their own file; without them (switched off), the stock layout's file; the answers agree."""
+    if CPU_REASON is not None:
+        pytest.skip("the kernels cannot run here: %s" % CPU_REASON)
+
+    def load(kernels):
+        settings = ModelSettings(
+            model=tiny_model, quantize="int4", weight_cache=str(tmp_path), native_kernels=kernels, warmup=False
+        )
+        loaded = load_model(settings, LimitSettings(max_batch_size=1), lambda message: None)
+        loaded.settle()
+        layers = [
+            module.stored
+            for module in loaded.model.modules()
+            if isinstance(getattr(module, "stored", None), Int4Weight)
+        ]
+        with torch.inference_mode():
+            logits = loaded.model(input_ids=torch.arange(40)[None]).logits[0, -1]
+        return {layer.tiled for layer in layers}, logits
+
+    tiled, with_kernels = load(NATIVE_KERNELS)
+    assert tiled == {True} and [path.name.rsplit("-", 2)[1:] for path in tmp_path.glob("*.safetensors")] == [
+        ["int4", "tiles.safetensors"]
+    ]
+    native._state = native._State()  # a new process, with the kernels switched off
+    plain, stock = load("off")
+    assert plain == {False} and len(list(tmp_path.glob("*-int4-int4pack.safetensors"))) == 1
+    assert float((with_kernels - stock).norm() / stock.norm()) < 0.05

@@ -176,14 +176,16 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     packed, prefill_copies, map_copies = False, [], []
     # Quantized weights come from the weight cache where it has them; int8 ones (at any level, the
     # vision tower's too) are rounded there with their plain layout and reordered after ready.
+    if level != "none":
+        # Before any weight or cache file is opened: the int8 weights' layout and the int4 weights'
+        # layout (and so their cache file) depend on whether vlserve's kernels run.
+        status("loading vlserve's decode kernels (built once per host)")
+        native.enable(model.native_kernel_root())
     root = model.weight_cache_root()
     rounds = level != "none" or vision_dtype == "int8"
     cache = WeightCache(root, path, level) if root is not None and rounds else None
     prepared = cache.open() if cache is not None else PreparedWeights()
     if level != "none":
-        # Before the weights exist: whether their int8 layouts are reordered for oneDNN depends on it.
-        status("loading the int8 decode kernel (built once per host)")
-        native.enable(model.native_kernel_root())
         status("quantizing the language model to %s" % level)
         copy = prefill_dtype if prefill_dtype not in (level, choices.dtype) else None
         count = pack_language_model(

@@ -1,21 +1,23 @@
-"""vlserve's own CPU kernel (kernels/int8_vnni.cpp), compiled once per host and loaded by every worker.
+"""vlserve's own decode kernels (kernels/decode_vnni.cpp), compiled once per host, loaded by every worker.
 
-The int8 level decodes through it: one to four rows times plain int8 weights at the speed the
-weights stream from memory, where oneDNN's int8 kernels (`torch._int_mm` and the prepacked ones)
-reach about half of it for one row (forty-eight 6144x2048 products here, one row: 62 against
-126-136 ms; four rows: 84-90 against 117-134 ms). Its result equals `torch._int_mm`'s path bit for
-bit (the source says how).
+The int8 and int4 levels decode through them where the CPU has AVX-512 VNNI: a step's 1-4 rows
+times integer weights at about the speed the weights stream from memory. Measured here (2 threads,
+eighty 6144x2048 products, beyond the last-level cache, side by side): int8 one row 53-55 ms
+against oneDNN's 122-136 ms (`torch._int_mm` 99-115), four rows 84-90 against 117-134; int4 one row
+26 ms against torch's int4 kernel's 30-33, four rows 39 against 61. The int8 product equals the
+`torch._int_mm` path bit for bit (the source says how); the int4 one rounds its inputs to int8 per
+block of 32, as llama.cpp's Q4_0 x Q8_0 products do, where torch's kernel takes bfloat16 inputs.
 
-It is built with the host's C++ compiler against the installed torch, the first time a worker needs
-it, into `<cache>/int8_vnni-<key>.so`; the key digests the source, torch's version, the compiler's
-version and the flags, so an upgrade of any of them builds a new file and never loads a stale one.
-Builds are serialised by a lock file, written to a temporary name and renamed, so workers starting
-together build it once and none loads a half-written file. Loading runs a check product against the
-Python path before the kernel is used.
+They are built with the host's C++ compiler against the installed torch, the first time a worker
+needs them, into `<cache>/decode_vnni-<key>.so` (about 8 s); the key digests the source, torch's
+version, the compiler's version and the flags, so an upgrade of any of them builds a new file and a
+stale one is never loaded. A lock file serialises builds, which go to a temporary name and are
+renamed, so workers starting together build once and none loads a half-written file. Before use,
+each op is checked against a reference computed in Python.
 
-Where it cannot be had (not x86-64, no AVX-512 VNNI, torch held below AVX-512 by
-ATEN_CPU_CAPABILITY, no compiler, a failed build or check, or the setting off) the reason is logged
-once and the stock kernels serve, with the same numerics.
+Where they cannot be had (not x86-64, no AVX-512 VNNI, torch held below AVX-512 by
+ATEN_CPU_CAPABILITY, no compiler, a failed build or check, `native_kernels: off`) the reason is
+logged once, shown by /readyz and /status, and torch's kernels serve.
 """
 
 from __future__ import annotations

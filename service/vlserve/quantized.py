@@ -9,13 +9,19 @@ The sizing policy's `quantize` level picks them (docs/service.md says what each 
   kernels (`torch.ops.onednn.qlinear_*`, the ones torch's own x86 quantization lowers to): a
   decode step reads half the bytes of bfloat16, and prompts and images, which are compute-bound,
   run on VNNI's int8 rate. Where those kernels are missing (a torch build without oneDNN, Arm),
-  `torch._weight_int8pack_mm` multiplies the same weights with exact inputs.
+  `torch._weight_int8pack_mm` multiplies the same weights with exact inputs. Where vlserve's own
+  kernels run (native.py: AVX-512 VNNI and a compiler), decode rows go through them, twice as fast,
+  with the same result, and the weights keep their plain layout: prompts and images multiply it
+  through `torch._int_mm`, measured as fast as the prepacked kernel from 64 rows up (2048x6144 and
+  6144x2048, 256 rows: 50-73 ms against 49-53 ms for eight products; 1024 rows: 281-325 against
+  284-290 ms), and the weights stay in the weight cache's file, shared by the host's workers.
 - int4: the decoder's linear layers in 4 bits, groups of 32 weights along the input sharing a
   scale and a zero point (min/max, as llama.cpp's Q4_1 blocks of 32), through torch's
   `_weight_int4pack_mm_for_cpu`; the output head stays int8 (as llama.cpp's Q4_K_M keeps it wider):
   measured on the real-size head (151936x2048, one row), int4 4.55 ms against int8 4.70 ms, no
   faster, and 40x the KL divergence of its logits (0.0025 against 0.00006 nats on random rows).
   That kernel dequantizes on the fly and is slow on many rows, so prompts may use an int8 copy.
+  Where vlserve's own kernels run, int4 weights take their tiled layout and multiply there instead.
 
 Measured with torch 2.13 at 2 threads, forty 6144x2048 products (a working set beyond the cache),
 one row, in one process: packed bfloat16 14.3 ms, int8 10.8 ms, int4 7.5 ms (groups of 32) and
