@@ -92,7 +92,12 @@ def test_models_and_health(server):
     assert models["object"] == "list" and models["data"][0]["id"] == "qwen3-vl-2b-instruct"
     assert models["data"][0]["max_model_len"] == 4096
     assert httpx.get(server.url + "/healthz").json()["status"] == "alive"
-    assert httpx.get(server.url + "/readyz").json()["status"] == "ready"
+    ready = httpx.get(server.url + "/readyz").json()
+    assert ready["status"] == "ready"
+    assert (ready["quantize"], ready["kernels"]) == (
+        "none",
+        "torch's kernels (vlserve's own serve the int8 and int4 levels)",
+    )
 
 
 def test_the_official_openai_client(server):

@@ -181,7 +181,7 @@ class _State:
     def __init__(self):
         self.lock = threading.Lock()
         self.ops = None
-        self.status = "not requested"
+        self.status: str | None = None  # None: not asked for (quantize=none)
 
 
 _state = _State()
@@ -191,7 +191,7 @@ def enable(root: Path | None) -> str:
     """Build (when missing) and load the kernel from `root` (None: off); returns the status line that
     is also logged and shown on /status. Later calls return the first call's outcome."""
     with _state.lock:
-        if _state.status != "not requested":
+        if _state.status is not None:
             return _state.status
         try:
             if root is None:
@@ -220,7 +220,8 @@ def enable(root: Path | None) -> str:
 
 
 def status() -> str:
-    return _state.status
+    """What serves the quantized products in this process, as /readyz and /status show it."""
+    return _state.status or "torch's kernels (vlserve's own serve the int8 and int4 levels)"
 
 
 def int8_linear():

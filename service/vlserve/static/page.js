@@ -252,6 +252,7 @@ function showStatus(status) {
     ["up for", Math.round(status.worker.uptime_s) + " s"],
     ["weights", running.dtype ? running.dtype + ", quantize " + running.quantize : "loading"],
     ["threads", running.threads ?? "–"],
+    ["kernels", running.kernels ?? "–"],
   ]);
   const plan = status.plan;
   const rows = $("choices").tBodies[0];
