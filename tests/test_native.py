@@ -1,5 +1,6 @@
-"""vlserve's own int8 decode kernel: built once, equal to the stock path bit for bit, and never in the
-way where it cannot run (no compiler, a failed build, a CPU or torch held below AVX-512 VNNI)."""
+"""vlserve's own int8/int4 decode kernels: built once, int8 equal to the stock path bit for bit, int4 the
+exact sum of what it rounds, and never in the way where they cannot run (no compiler, a failed build,
+a CPU or torch held below AVX-512 VNNI)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from conftest import NATIVE_KERNELS
 from vlserve import native
 from vlserve.loader import load_model
-from vlserve.quantized import INT4_GROUP, Int4Weight, Int8Weight, _int4_groups, int4_tiles, quantize_rows
+from vlserve.quantized import INT4_GROUP, Int4Weight, Int8Weight, _int4_groups, int4_blocks, quantize_rows
 from vlserve.settings import LimitSettings, ModelSettings
 from vlserve.weightcache import WeightCache
 
@@ -65,7 +66,8 @@ def stock(weight: Int8Weight, rows: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(5, 64), (4099, 2048), (12, 6144)])
 def test_the_kernel_equals_the_stock_int8_path_bit_for_bit(kernel, shape, dtype):
     """Every row count it takes (1-4), with and without a bias, outputs not a multiple of its tile of
-    four, rows of wildly different scales and a row of zeros."""
+    four, rows of wildly different scales and a row of zeros; bfloat16 rows get the float32 result
+    rounded to bfloat16, as the layer would round it."""
     torch.manual_seed(sum(shape))
     outputs, inputs = shape
     for bias in (None, torch.randn(outputs)):
@@ -75,8 +77,8 @@ def test_the_kernel_equals_the_stock_int8_path_bit_for_bit(kernel, shape, dtype)
             if rows == 3:
                 x[1] = 0
             got = kernel(x, weight.values, weight.scales, weight.bias)
-            assert got.dtype == torch.float32 and got.shape == (rows, outputs)
-            assert torch.equal(got, stock(weight, x))
+            assert got.dtype == dtype and got.shape == (rows, outputs)
+            assert torch.equal(got, stock(weight, x).to(dtype))
 
 
 @needs_vnni
@@ -193,50 +195,53 @@ def test_torch_held_to_avx2_keeps_the_stock_kernels(tmp_path):
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
-def test_the_int4_kernel_sums_the_rounded_weights_and_inputs(ops, rows):
-    """Its result is the float64 sum of what it rounds: the weights' levels, scales and zeros (bfloat16),
-    the inputs in int8 blocks of 32; on one row four tiles at a time, on more in tiles of four rows."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+def test_the_int4_kernel_sums_the_rounded_weights_and_inputs(ops, rows, dtype):
+    """Its result is the float64 sum of what it rounds: the weights' levels, scales and lows (bfloat16),
+    the inputs in int8 blocks of 32; one row at a time or two, over blocks of 64 outputs; in the rows'
+    dtype."""
     torch.manual_seed(rows)
-    outputs, inputs = 128, 6 * INT4_GROUP
-    levels, scales, zeros = _int4_groups(torch.randn(outputs, inputs) * torch.rand(outputs, 1), INT4_GROUP)
-    x = torch.randn(rows, inputs) * torch.logspace(-2, 2, inputs)
-    blocks, block_scales = quantize_rows(x.reshape(-1, INT4_GROUP))
+    outputs, inputs = 192, 6 * INT4_GROUP
+    levels, scales, lows = _int4_groups(torch.randn(outputs, inputs) * torch.rand(outputs, 1), INT4_GROUP)
+    x = (torch.randn(rows, inputs) * torch.logspace(-2, 2, inputs)).to(dtype)
+    blocks, block_scales = quantize_rows(x.float().reshape(-1, INT4_GROUP))
     rounded = (blocks.double() * block_scales.double()[:, None]).reshape(rows, inputs)
-    weight = (levels.double() - 8) * scales.bfloat16().double().repeat_interleave(INT4_GROUP, 1)
-    weight += zeros.bfloat16().double().repeat_interleave(INT4_GROUP, 1)
-    got = ops.int4_linear(x, *int4_tiles(levels, scales, zeros))
-    assert got.dtype == torch.float32 and got.shape == (rows, outputs)
+    weight = levels.double() * scales.bfloat16().double().repeat_interleave(INT4_GROUP, 1)
+    weight += lows.bfloat16().double().repeat_interleave(INT4_GROUP, 1)
+    got = ops.int4_linear(x, int4_blocks(levels, scales, lows))
+    assert got.dtype == dtype and got.shape == (rows, outputs)
     expected = rounded @ weight.t()
-    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8  # plus bfloat16's rounding of the result
+    assert torch.allclose(got.double(), expected, rtol=tolerance, atol=1e-5 * float(expected.abs().max()))
 
 
 @needs_vnni
 def test_the_int4_kernel_refuses_a_layout_it_does_not_know(ops):
-    levels, scales, zeros = _int4_groups(torch.randn(32, 64), INT4_GROUP)
-    tiles, params = int4_tiles(levels, scales, zeros)
-    for x, t, p, message in (
-        (torch.randn(1, 48), tiles, params, "groups of 32"),
-        (torch.randn(1, 64), tiles[:, :-1].contiguous(), params, "tiles must be"),
-        (torch.randn(1, 64), tiles, params.float(), "scales and zeros must be"),
+    blocks = int4_blocks(*_int4_groups(torch.randn(64, 64), INT4_GROUP))
+    for x, b, message in (
+        (torch.randn(1, 48), blocks, "groups of 32"),
+        (torch.randn(1, 64), blocks[:, :-1].contiguous(), "blocks must be"),
+        (torch.randn(1, 64), blocks.view(torch.int8), "blocks must be"),
     ):
         with pytest.raises(RuntimeError, match=message):
-            ops.int4_linear(x, t, p)
+            ops.int4_linear(x, b)
 
 
 def test_an_int4_weight_takes_the_kernels_layout_and_keeps_it_through_the_cache(loaded):
     torch.manual_seed(11)
-    weight, bias = torch.randn(48, 4 * INT4_GROUP), torch.randn(48)
+    weight, bias = torch.randn(128, 4 * INT4_GROUP), torch.randn(128)
     layer = Int4Weight(weight, bias)
-    assert layer.tiled and set(layer.tensors()) == {"tiles", "tile_params", "bias"}
+    assert layer.tiled and set(layer.tensors()) == {"blocks", "bias"}
+    assert not Int4Weight(torch.randn(48, 4 * INT4_GROUP)).tiled  # outputs not a multiple of 64: torch's layout
     again = Int4Weight.from_tensors(layer.tensors())
     assert (again.tiled, again.shape, again.group) == (True, layer.shape, layer.group)
     rows = torch.randn(3, 4 * INT4_GROUP)
     assert torch.equal(again.matmul(rows), layer.matmul(rows))
     # Within half a rounding step of each group (plus the bfloat16 scales), as the stock layout.
-    grouped = weight.reshape(48, 4, INT4_GROUP)
+    grouped = weight.reshape(128, 4, INT4_GROUP)
     step = (grouped.amax(-1) - grouped.amin(-1)) / 15
-    error = (layer.dequantized().reshape(48, 4, INT4_GROUP) - grouped).abs().amax(-1)
+    error = (layer.dequantized().reshape(128, 4, INT4_GROUP) - grouped).abs().amax(-1)
     assert torch.all(error <= 0.5 * step + 2e-2 * grouped.abs().amax(-1))
     exact = rows @ weight.t() + bias
     assert float((layer.matmul(rows) - exact).norm() / exact.norm()) < 0.1
@@ -248,7 +253,7 @@ def test_int4_cache_files_are_kept_per_layout(loaded, tmp_path):
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text("{}")
     tiled = WeightCache(tmp_path / "cache", checkpoint, "int4")
-    assert tiled.key["int4_layout"] == "tiles" and tiled.path.name.endswith("-int4-tiles.safetensors")
+    assert tiled.key["int4_layout"] == "blocks" and tiled.path.name.endswith("-int4-blocks.safetensors")
     native._state = native._State()  # restored by fresh_state
     native.enable(None)
     stock = WeightCache(tmp_path / "cache", checkpoint, "int4")
@@ -279,7 +284,7 @@ def test_a_worker_at_int4_maps_the_file_of_the_layout_its_kernels_take(tiny_mode
 
     tiled, with_kernels = load(NATIVE_KERNELS)
     assert tiled == {True} and [path.name.rsplit("-", 2)[1:] for path in tmp_path.glob("*.safetensors")] == [
-        ["int4", "tiles.safetensors"]
+        ["int4", "blocks.safetensors"]
     ]
     native._state = native._State()  # a new process, with the kernels switched off
     plain, stock = load("off")

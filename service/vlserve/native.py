@@ -148,31 +148,33 @@ def build(root: Path) -> tuple[Path, bool]:
 
 def _check(ops) -> None:
     """The loaded kernels against references on a few shapes: a miscompiled build is not used. int8:
-    the Python path, bit for bit. int4: the same rounded quantities summed in float64."""
-    from vlserve.quantized import INT4_GROUP, _int4_groups, int4_tiles, quantize_rows  # noqa: PLC0415 - cyclic
+    the Python path, bit for bit (then rounded to bfloat16 for bfloat16 rows). int4: the same rounded
+    quantities summed in float64."""
+    from vlserve.quantized import INT4_GROUP, _int4_groups, int4_blocks, quantize_rows  # noqa: PLC0415 - cyclic
 
     generator = torch.Generator().manual_seed(0)
     for rows, inputs, outputs in ((1, 64, 5), (3, 192, 12), (4, 128, 9)):
         weight, scales = quantize_rows(torch.randn(outputs, inputs, generator=generator))
-        x = torch.randn(rows, inputs, generator=generator)
         bias = torch.randn(outputs, generator=generator)
-        values, row_scales = quantize_rows(x)
-        sums = values.double() @ weight.double().t()  # exact: integers far below 2**53
-        expected = sums.float().mul_(row_scales[:, None]).mul_(scales).add_(bias)
-        got = ops.int8_linear(x, weight, scales, bias)
-        if not torch.equal(got, expected):
-            raise NativeUnavailable("its int8 check differs from the reference by %.3g" % (got - expected).abs().max())
-    for rows, inputs, outputs in ((1, 128, 64), (3, 64, 16), (6, 96, 32)):
-        levels, scales, zeros = _int4_groups(torch.randn(outputs, inputs, generator=generator), INT4_GROUP)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, inputs, generator=generator).to(dtype)
+            values, row_scales = quantize_rows(x)
+            sums = values.double() @ weight.double().t()  # exact: integers far below 2**53
+            expected = sums.float().mul_(row_scales[:, None]).mul_(scales).add_(bias).to(dtype)
+            got = ops.int8_linear(x, weight, scales, bias)
+            if not torch.equal(got, expected):
+                raise NativeUnavailable(
+                    "its int8 check differs from the reference by %.3g" % (got - expected).abs().max()
+                )
+    for rows, inputs, outputs in ((1, 128, 64), (2, 64, 128), (5, 96, 64)):
+        levels, scales, lows = _int4_groups(torch.randn(outputs, inputs, generator=generator), INT4_GROUP)
         x = torch.randn(rows, inputs, generator=generator)
         blocks, block_scales = quantize_rows(x.reshape(-1, INT4_GROUP))  # the kernel's input rounding
         x_rounded = (blocks.double() * block_scales.double()[:, None]).reshape(rows, inputs)
-        scale_w, zero_w = scales.bfloat16().double(), zeros.bfloat16().double()
-        weight = (levels.double() - 8) * scale_w.repeat_interleave(INT4_GROUP, 1) + zero_w.repeat_interleave(
-            INT4_GROUP, 1
-        )
+        scale_w, low_w = scales.bfloat16().double(), lows.bfloat16().double()
+        weight = levels.double() * scale_w.repeat_interleave(INT4_GROUP, 1) + low_w.repeat_interleave(INT4_GROUP, 1)
         expected = x_rounded @ weight.t()
-        got = ops.int4_linear(x, *int4_tiles(levels, scales, zeros)).double()
+        got = ops.int4_linear(x, int4_blocks(levels, scales, lows)).double()
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())):
             raise NativeUnavailable("its int4 check differs from the reference by %.3g" % (got - expected).abs().max())
 
@@ -225,17 +227,17 @@ def status() -> str:
 
 
 def int8_linear():
-    """The loaded int8 op, or None: (rows <= MAX_ROWS, in) float x (out, in) int8, scales, bias ->
-    (rows, out) float32."""
+    """The loaded int8 op, or None: (rows <= MAX_ROWS, in) float32 or bfloat16 x (out, in) int8, scales,
+    bias -> (rows, out) in the rows' dtype."""
     return None if _state.ops is None else _state.ops.int8_linear
 
 
 def int4_linear():
-    """The loaded int4 op, or None: (rows, in) float x tiles, params (quantized.int4_tiles) -> (rows, out)
-    float32."""
+    """The loaded int4 op, or None: (rows, in) float32 or bfloat16 x blocks (quantized.int4_blocks) ->
+    (rows, out) in the rows' dtype."""
     return None if _state.ops is None else _state.ops.int4_linear
 
 
 def int4_layout() -> str:
     """Which layout int4 weights take in this process (the weight cache keeps each in its own file)."""
-    return "tiles" if int4_linear() is not None else "int4pack"
+    return "blocks" if int4_linear() is not None else "int4pack"

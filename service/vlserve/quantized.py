@@ -21,7 +21,7 @@ The sizing policy's `quantize` level picks them (docs/service.md says what each 
   measured on the real-size head (151936x2048, one row), int4 4.55 ms against int8 4.70 ms, no
   faster, and 40x the KL divergence of its logits (0.0025 against 0.00006 nats on random rows).
   That kernel dequantizes on the fly and is slow on many rows, so prompts may use an int8 copy.
-  Where vlserve's own kernels run, int4 weights take their tiled layout and multiply there instead.
+  Where vlserve's own kernels run, int4 weights take their block layout and multiply there instead.
 
 Measured with torch 2.13 at 2 threads, forty 6144x2048 products (a working set beyond the cache),
 one row, in one process: packed bfloat16 14.3 ms, int8 10.8 ms, int4 7.5 ms (groups of 32) and
@@ -42,7 +42,8 @@ INT8_MAX = 127
 INT8_PREFILL_ROWS = 16  # int8 overtakes the packed bf16 product from ~8 rows (2048x6144: 1.4 vs 2.4 ms at 16)
 INT4_GROUP = 32
 INT4_LEVELS = 15
-INT4_ROW_BLOCK = 16  # the int4 kernel's layout holds outputs in blocks of 16
+INT4_ROW_BLOCK = 16  # torch's int4 kernel holds outputs in blocks of 16
+INT4_BLOCK_ROWS = 64  # vlserve's, in blocks of 64 (one stream of bytes per 64 outputs)
 QUANTIZE_CHUNK_ROWS = 4096  # rows quantized at a time: the output head's float32 temporaries stay ~32 MB
 
 
@@ -179,12 +180,12 @@ class Int8Weight:
         return stored.nbytes + self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (n, in) of any float dtype -> (n, out) float32."""
+        """rows (n, in) of any float dtype -> (n, out) float32 (vlserve's kernel: the rows' dtype)."""
         if self.packed is not None:
             return _onednn_product(self.packed, rows, self.scales, self.bias)
         kernel = native.int8_linear()
         if kernel is not None and rows.shape[0] <= native.MAX_ROWS and self.shape[1] % native.INPUT_MULTIPLE == 0:
-            return kernel(rows, self.values, self.scales, self.bias)  # equal to the path below, bit for bit
+            return kernel(rows, self.values, self.scales, self.bias)  # the path below's result, bit for bit
         if onednn_int8_supported():  # the same integer product, on the plain layout
             values, row_scales = quantize_rows(rows)
             out = torch._int_mm(values, self.values.t()).float().mul_(row_scales[:, None]).mul_(self.scales)
@@ -201,36 +202,41 @@ class Int8Weight:
 
 
 def _int4_groups(matrix: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit per group of `group` inputs: (levels 0..15 as int32, scales, zeros) with
-    weight ~= (level - 8) * scale + zero, the convention of torch's int4 kernels."""
+    """Asymmetric 4-bit per group of `group` inputs: (levels 0..15 as int32, scales, lows) with
+    weight ~= level * scale + low (torch's kernels take zero = low + 8 * scale instead)."""
     rows, columns = matrix.shape
     grouped = matrix.float().reshape(rows, columns // group, group)
     low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
     scales = ((high - low) / INT4_LEVELS).clamp_(min=torch.finfo(torch.float32).tiny)
     levels = ((grouped - low[..., None]) / scales[..., None]).round_().clamp_(0, INT4_LEVELS)
-    return levels.to(torch.int32).reshape(rows, columns), scales, low + 8 * scales
+    return levels.to(torch.int32).reshape(rows, columns), scales, low
 
 
-def int4_tiles(levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Levels (out, in) 0..15 with scales and zeros (out, in / 32) -> vlserve's int4 kernel's layout
-    (kernels/decode_vnni.cpp): per 16 outputs and group of 32 inputs, four 64-byte lines whose byte j
-    holds output j // 4's inputs 8l + j % 4 (low nibble) and 8l + 4 + j % 4 (high nibble); and per 16
-    outputs and group, their 16 bfloat16 scales then their 16 zeros."""
+def int4_blocks(levels: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    """Levels (out, in) 0..15 with scales and lows (out, in / 32) -> vlserve's int4 kernel's layout
+    (kernels/decode_vnni.cpp), (out / 64, in / 32 * 1280) bytes: per 64 outputs and group of 32 inputs,
+    four tiles of 16 outputs, each four 64-byte lines whose byte j holds output j // 4's inputs
+    8l + j % 4 (low nibble) and 8l + 4 + j % 4 (high nibble); then per tile and output a 32-bit word,
+    its bfloat16 scale in the low half and its bfloat16 low value in the high half."""
     rows, columns = levels.shape
-    tiles, groups = rows // INT4_ROW_BLOCK, columns // INT4_GROUP
-    split = levels.to(torch.uint8).reshape(tiles, INT4_ROW_BLOCK, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-    packed = (split[..., 0] | (split[..., 1] << 4)).reshape(tiles, groups * INT4_GROUP * INT4_ROW_BLOCK // 2)
+    blocks, groups = rows // INT4_BLOCK_ROWS, columns // INT4_GROUP
+    tiles = INT4_BLOCK_ROWS // INT4_ROW_BLOCK
+    split = levels.to(torch.uint8).reshape(blocks, tiles, INT4_ROW_BLOCK, groups, 4, 2, 4)
+    split = split.permute(0, 3, 1, 4, 2, 6, 5)  # block, group, tile, line, output, input % 4, nibble
+    nibbles = (split[..., 0] | (split[..., 1] << 4)).reshape(blocks, groups, tiles * INT4_GROUP * INT4_ROW_BLOCK // 2)
 
-    def per_tile(values: torch.Tensor) -> torch.Tensor:
-        return values.to(torch.bfloat16).reshape(tiles, INT4_ROW_BLOCK, groups).permute(0, 2, 1)
+    def bits(values: torch.Tensor) -> torch.Tensor:
+        return values.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
 
-    params = torch.stack([per_tile(scales), per_tile(zeros)], dim=2).reshape(tiles, groups * 2 * INT4_ROW_BLOCK)
-    return packed.contiguous(), params.contiguous()
+    words = (bits(scales) | (bits(lows) << 16)).reshape(blocks, tiles * INT4_ROW_BLOCK, groups).transpose(1, 2)
+    params = words.contiguous().view(torch.uint8)  # (blocks, groups, 4 * 64) little-endian words
+    return torch.cat([nibbles, params], dim=2).reshape(blocks, -1).contiguous()
 
 
 class Int4Weight:
     """A linear layer's weight as 4-bit levels in groups of `group` inputs, in its kernel's layout:
-    vlserve's own (`tiled`, native.py) where it runs, else torch's `_weight_int4pack_mm_for_cpu`.
+    vlserve's own (`tiled`, native.py: groups of 32, outputs a multiple of 64) where it runs, else
+    torch's `_weight_int4pack_mm_for_cpu`.
 
     torch's kernel is fed bfloat16 whatever the model's dtype: its float32 path is far slower (9.3 ms
     per 6144x2048 product against 0.19 ms with AVX-512 and 0.64 ms held to AVX2), and rounding inputs
@@ -251,14 +257,15 @@ class Int4Weight:
                 "int4 needs inputs in groups of %d and outputs in blocks of %d, not a %dx%d weight"
                 % (group, INT4_ROW_BLOCK, rows, columns)
             )
-        levels, scales, zeros = _in_chunks(weight.detach(), functools.partial(_int4_groups, group=group))
+        levels, scales, lows = _in_chunks(weight.detach(), functools.partial(_int4_groups, group=group))
         self.shape, self.group = (rows, columns), group
-        self.tiled = group == INT4_GROUP and native.int4_linear() is not None
+        self.tiled = group == INT4_GROUP and rows % INT4_BLOCK_ROWS == 0 and native.int4_linear() is not None
         if self.tiled:
-            self.packed, self.scales_and_zeros = int4_tiles(levels, scales, zeros)
+            self.packed, self.scales_and_zeros = int4_blocks(levels, scales, lows), None
         else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 1)  # (out, in / 2) uint8
             # (groups, out, 2), as the kernel wants them.
+            zeros = lows + 8 * scales
             self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(self.kernel_dtype).contiguous()
         self.bias = None if bias is None else bias.detach().float()
 
@@ -266,12 +273,13 @@ class Int4Weight:
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> Int4Weight:
         """The weight whose `tensors()` these are (mapped from the weight cache: not copied)."""
         weight = cls.__new__(cls)
-        weight.tiled = "tiles" in tensors
+        weight.tiled = "blocks" in tensors
         weight.bias = tensors.get("bias")
         if weight.tiled:
-            weight.packed, weight.scales_and_zeros = tensors["tiles"], tensors["tile_params"]
-            tiles, width = weight.packed.shape
-            weight.shape, weight.group = (tiles * INT4_ROW_BLOCK, 2 * width // INT4_ROW_BLOCK), INT4_GROUP
+            weight.packed, weight.scales_and_zeros = tensors["blocks"], None
+            blocks, width = weight.packed.shape
+            group_bytes = INT4_BLOCK_ROWS * (INT4_GROUP // 2 + 4)  # levels, then a (scale, low) word per output
+            weight.shape, weight.group = (blocks * INT4_BLOCK_ROWS, width // group_bytes * INT4_GROUP), INT4_GROUP
         else:
             weight.packed, weight.scales_and_zeros = tensors["packed"], tensors["scales_and_zeros"]
             rows, half = weight.packed.shape
@@ -280,35 +288,41 @@ class Int4Weight:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Plain tensors that rebuild this weight (both kernels' layouts are plain uint8: nothing to redo)."""
-        names = ("tiles", "tile_params") if self.tiled else ("packed", "scales_and_zeros")
-        found = dict(zip(names, (self.packed, self.scales_and_zeros), strict=True))
+        found = (
+            {"blocks": self.packed}
+            if self.tiled
+            else {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros}
+        )
         return found if self.bias is None else {**found, "bias": self.bias}
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_and_zeros.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        extra = [tensor for tensor in (self.scales_and_zeros, self.bias) if tensor is not None]
+        return self.packed.nbytes + sum(tensor.nbytes for tensor in extra)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (n, in) of any float dtype -> (n, out) in bfloat16 (torch's kernel) or float32 (vlserve's,
-        and with a bias): the caller converts to its own dtype, so a bfloat16 model makes no round trip
-        through float32 on torch's kernel."""
-        out = self._product(rows)
-        return out if self.bias is None else out.float().add_(self.bias)
+        """rows (n, in) of any float dtype -> (n, out) in bfloat16 (torch's kernel), the rows' dtype
+        (vlserve's) or float32 (with a bias): the caller converts to its own dtype, so a bfloat16 model
+        makes no round trip through float32."""
+        if self.bias is None:
+            return self._product(rows)
+        return self._product(rows.float()).float().add_(self.bias)  # added before any rounding to bfloat16
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.tiled:
             kernel = native.int4_linear()
             if kernel is None:  # the weight cache keys its int4 files by layout: not reached in a worker
                 raise RuntimeError("an int4 weight in vlserve's layout, but its kernel is not loaded")
-            return kernel(rows, self.packed, self.scales_and_zeros)
+            return kernel(rows, self.packed)
         return torch._weight_int4pack_mm_for_cpu(
             rows.to(self.kernel_dtype), self.packed, self.group, self.scales_and_zeros
         )
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this one stands for, read back through a product with the identity (whose
-        rows each kernel takes exactly)."""
-        return self._product(torch.eye(self.shape[1], dtype=self.kernel_dtype)).float().t().contiguous()
+        rows each kernel takes exactly; vlserve's returns them in float32)."""
+        eye = torch.eye(self.shape[1], dtype=torch.float32 if self.tiled else self.kernel_dtype)
+        return self._product(eye).float().t().contiguous()
 
 
 class Int8Linear(torch.nn.Module):

@@ -16,13 +16,17 @@
 // shifted by 128: sum((q + 128) * w) - 128 * sum(w) = sum(q * w), where sum(w) comes from one more
 // vpdpbusd of the same weight bytes with ones, shared by every row of the step.
 //
-// int4_linear: weights as levels 0..15 in groups of 32 inputs with a bfloat16 scale and zero point
-// per group and output (w = (level - 8) * scale + zero, torch's convention), in this file's tiled
-// layout (vlserve.quantized.int4_tiles): per 16 outputs and group, four 64-byte lines, byte j of
-// line l holding output j / 4's inputs 8l + j % 4 (low nibble) and 8l + 4 + j % 4 (high nibble), so
-// one line feeds two vpdpbusd with four inputs broadcast. The inputs are rounded to int8 per block
-// of 32 with a scale each (llama.cpp's Q8_0 for its Q4 products): a group's sum is then
-// scale_w * scale_x * sum(level * q) + (zero - 8 * scale_w) * scale_x * sum(q).
+// int4_linear: weights as levels 0..15 in groups of 32 inputs with a bfloat16 scale and low value per
+// group and output (w = level * scale + low), in this file's block layout (vlserve.quantized.int4_blocks),
+// one stream per 64 outputs: per block and group, four tiles of 16 outputs, each four 64-byte lines
+// whose byte j of line l holds output j / 4's inputs 8l + j % 4 (low nibble) and 8l + 4 + j % 4 (high
+// nibble), so one line feeds two vpdpbusd with four inputs broadcast; then the four tiles' (scale,
+// low) pairs, a 32-bit word per output. The inputs are rounded to int8 per block of 32 with a scale
+// each (llama.cpp's Q8_0 for its Q4 products): a group's sum is then
+// scale_w * scale_x * sum(level * q) + low * scale_x * sum(q).
+//
+// Both take float32 or bfloat16 rows and return the rows' dtype (bfloat16 rounded from the float32
+// result): a decode step converts nothing around them.
 //
 // Every function that uses AVX-512 is compiled for it through a target attribute, the rest of the
 // file for the baseline ISA: the library loads on any x86-64 CPU, and vlserve.native calls it only
@@ -42,42 +46,60 @@ namespace {
 constexpr int64_t kChunk = 64;   // input bytes per vpdpbusd
 constexpr int64_t kOutTile = 4;  // weight rows streamed together by one thread
 constexpr int64_t kMaxRows = 4;  // int8_linear's rows per call: a decode batch of up to four sequences
-constexpr int64_t kGroup = 32;   // int4: inputs per scale and zero point, and per input scale
+constexpr int64_t kGroup = 32;   // int4: inputs per scale and low value, and per input scale
 constexpr int64_t kBlock = 16;   // int4: outputs per tile
-constexpr int64_t kGroupBytes = kBlock * kGroup / 2;  // int4: one tile's bytes for one group (four lines)
+constexpr int64_t kTiles = 4;    // int4: tiles per block (64 outputs), read as one stream
+constexpr int64_t kBlockOutputs = kTiles * kBlock;
+constexpr int64_t kTileBytes = kBlock * kGroup / 2;  // int4: one tile's levels for one group (four lines)
+constexpr int64_t kParamBytes = kBlock * 4;          // int4: one tile's (scale, low) pairs for one group
+constexpr int64_t kBlockStep = kTiles * (kTileBytes + kParamBytes);  // int4: a block's bytes per group
 
-__attribute__((target("avx512f,avx512bw"))) void round_row(const float* x, int64_t k, uint8_t* shifted,
-                                                           float* scale) {
+// 16 inputs as float32, from float32 or bfloat16 (the model's dtypes): no converted copy of the rows.
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const at::BFloat16* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
+}
+
+// 16 results in the rows' dtype; bfloat16 rounds to nearest even as torch's conversion does.
+__attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, float* out) { _mm512_storeu_ps(out, v); }
+__attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, at::BFloat16* out) {
+  alignas(64) float wide[16];
+  _mm512_store_ps(wide, v);
+  for (int i = 0; i < 16; ++i) out[i] = at::BFloat16(wide[i]);
+}
+
+template <typename T>
+__attribute__((target("avx512f,avx512bw"))) void round_row(const T* x, int64_t k, uint8_t* shifted, float* scale) {
   __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  for (int64_t i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + i)));
   const float d = std::max(_mm512_reduce_max_ps(amax) / 127.f, FLT_MIN);
   *scale = d;
   const __m512 vd = _mm512_set1_ps(d), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
   const __m512i shift = _mm512_set1_epi32(128);
   for (int64_t i = 0; i < k; i += 16) {
-    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vd),
+    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), vd),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
     _mm_storeu_si128((__m128i*)(shifted + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), shift)));
   }
 }
 
-template <int M>
+template <int M, typename O>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void store(int64_t n, const __m512i* acc, __m512i sum,
                                                                           const float* xs, const float* ws,
-                                                                          const float* bias, float* out, int64_t ldo) {
+                                                                          const float* bias, O* out, int64_t ldo) {
   const int32_t correction = 128 * _mm512_reduce_add_epi32(sum);
   for (int r = 0; r < M; ++r) {
     float y = (float)(_mm512_reduce_add_epi32(acc[r]) - correction) * xs[r] * ws[n];
-    out[r * ldo + n] = bias ? y + bias[n] : y;
+    out[r * ldo + n] = O(bias ? y + bias[n] : y);
   }
 }
 
 // Outputs n0..n1 of M rows.
-template <int M>
+template <int M, typename O>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void outputs(const int8_t* w, int64_t k, int64_t n0,
                                                                     int64_t n1, const uint8_t* a, const float* xs,
-                                                                    const float* ws, const float* bias, float* out,
+                                                                    const float* ws, const float* bias, O* out,
                                                                     int64_t ldo) {
   const int64_t chunks = k / kChunk;
   const __m512i ones = _mm512_set1_epi8(1);
@@ -100,7 +122,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void outputs(const int8_t
         for (int r = 0; r < M; ++r) acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], x[r], v);
       }
     }
-    for (int t = 0; t < kOutTile; ++t) store<M>(n + t, acc[t], sum[t], xs, ws, bias, out, ldo);
+    for (int t = 0; t < kOutTile; ++t) store<M, O>(n + t, acc[t], sum[t], xs, ws, bias, out, ldo);
   }
   for (; n < n1; ++n) {
     __m512i acc[M], sum = _mm512_setzero_si512();
@@ -110,8 +132,32 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void outputs(const int8_t
       sum = _mm512_dpbusd_epi32(sum, ones, v);
       for (int r = 0; r < M; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(a + r * k + c * kChunk), v);
     }
-    store<M>(n, acc, sum, xs, ws, bias, out, ldo);
+    store<M, O>(n, acc, sum, xs, ws, bias, out, ldo);
   }
+}
+
+template <typename T>
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& bias) {
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  std::vector<uint8_t> a(m * k);
+  float xs[kMaxRows];
+  for (int64_t r = 0; r < m; ++r) round_row(x.data_ptr<T>() + r * k, k, a.data() + r * k, xs + r);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const int8_t* pw = weight.data_ptr<int8_t>();
+  const float* ps = scales.data_ptr<float>();
+  const float* pb = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  T* po = out.data_ptr<T>();
+  const int64_t tiles = (n + kOutTile - 1) / kOutTile;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * kOutTile, n1 = std::min(n, t1 * kOutTile);
+    switch (m) {
+      case 1: outputs<1, T>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
+      case 2: outputs<2, T>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
+      case 3: outputs<3, T>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
+      default: outputs<4, T>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
+    }
+  });
+  return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
@@ -123,40 +169,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(k % kChunk == 0, "int8_linear: inputs must come in multiples of ", kChunk, ", not ", k);
   TORCH_CHECK(m >= 1 && m <= kMaxRows, "int8_linear: 1 to ", kMaxRows, " rows, not ", m);
   TORCH_CHECK(scales.numel() == n, "int8_linear: one scale per output");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor ws = scales.to(at::kFloat).contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "int8_linear: one bias per output");
     b = bias->to(at::kFloat).contiguous();
   }
-  std::vector<uint8_t> a(m * k);
-  float xs[kMaxRows];
-  for (int64_t r = 0; r < m; ++r) round_row(xf.data_ptr<float>() + r * k, k, a.data() + r * k, xs + r);
-  at::Tensor out = at::empty({m, n}, xf.options());
-  const int8_t* pw = weight.data_ptr<int8_t>();
-  const float* ps = ws.data_ptr<float>();
-  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* po = out.data_ptr<float>();
-  const int64_t tiles = (n + kOutTile - 1) / kOutTile;
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * kOutTile, n1 = std::min(n, t1 * kOutTile);
-    switch (m) {
-      case 1: outputs<1>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
-      case 2: outputs<2>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
-      case 3: outputs<3>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
-      default: outputs<4>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
-    }
-  });
-  return out;
+  if (x.scalar_type() == at::kBFloat16) return int8_rows<at::BFloat16>(x.contiguous(), weight, ws, b);
+  return int8_rows<float>(x.to(at::kFloat).contiguous(), weight, ws, b);
 }
 // int4 ---------------------------------------------------------------------------------------------
 
 // One row in blocks of 32: q (int8), each block's scale, and each block's scale times its sum of q.
-__attribute__((target("avx512f,avx512bw"))) void round_blocks(const float* x, int64_t k, int8_t* q, float* scale,
+template <typename T>
+__attribute__((target("avx512f,avx512bw"))) void round_blocks(const T* x, int64_t k, int8_t* q, float* scale,
                                                               float* scaled_sum) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m512 v0 = _mm512_loadu_ps(x + g * kGroup), v1 = _mm512_loadu_ps(x + g * kGroup + 16);
+    const __m512 v0 = load16(x + g * kGroup), v1 = load16(x + g * kGroup + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float d = std::max(amax / 127.f, FLT_MIN);
     const __m512 vd = _mm512_set1_ps(d);
@@ -170,130 +199,99 @@ __attribute__((target("avx512f,avx512bw"))) void round_blocks(const float* x, in
   }
 }
 
-__attribute__((target("avx512f,avx512bw"))) inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// NT tiles of 16 outputs for one row: independent vpdpbusd chains, so the loop is not bound by the
-// latency of one accumulator.
-template <int NT>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_tiles_one_row(
-    const uint8_t* packed, const uint16_t* params, int64_t groups, const int8_t* q, const float* xs,
-    const float* xsum, float* out) {
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512 eight = _mm512_set1_ps(8.f);
-  const int64_t stride = groups * kGroupBytes, params_stride = groups * 2 * kBlock;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int32_t* a = (const int32_t*)(q + g * kGroup);
-    __m512i b[8];
-    for (int l = 0; l < 8; ++l) b[l] = _mm512_set1_epi32(a[l]);
-    const __m512 sx = _mm512_set1_ps(xs[g]), sq = _mm512_set1_ps(xsum[g]);
-    for (int t = 0; t < NT; ++t) {
-      const uint8_t* w = packed + t * stride + g * kGroupBytes;
-      _mm_prefetch((const char*)(w + 8 * kGroupBytes), _MM_HINT_T0);
-      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-      for (int l = 0; l < 4; ++l) {
-        const __m512i v = _mm512_loadu_si512(w + 64 * l);
-        d0 = _mm512_dpbusd_epi32(d0, _mm512_and_si512(v, nibble), b[2 * l]);
-        d1 = _mm512_dpbusd_epi32(d1, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), b[2 * l + 1]);
-      }
-      const uint16_t* p = params + t * params_stride + g * 2 * kBlock;
-      const __m512 s = bf16x16(p), low = _mm512_fnmadd_ps(eight, s, bf16x16(p + kBlock));  // zero - 8 * scale
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), _mm512_mul_ps(s, sx), acc[t]);
-      acc[t] = _mm512_fmadd_ps(low, sq, acc[t]);
-    }
+// One tile's sums of level * q over a group (16 outputs): low nibbles masked, high nibbles masked in
+// place (16 times their level: every term a multiple of 16, so the one shift back is exact).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i tile_dot(const uint8_t* w, const __m512i* b) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+  __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+  for (int l = 0; l < 4; ++l) {
+    const __m512i v = _mm512_loadu_si512(w + 64 * l);
+    d0 = _mm512_dpbusd_epi32(d0, _mm512_and_si512(v, low), b[2 * l]);
+    d1 = _mm512_dpbusd_epi32(d1, _mm512_and_si512(v, high), b[2 * l + 1]);
   }
-  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out + t * kBlock, acc[t]);
+  return _mm512_add_epi32(d0, _mm512_srai_epi32(d1, 4));
 }
 
-// One tile of 16 outputs for M (<= 4) rows, whose inputs are `k` apart; outputs `ldo` apart.
-template <int M>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_tile_rows(
-    const uint8_t* packed, const uint16_t* params, int64_t groups, const int8_t* q, const float* xs,
-    const float* xsum, int64_t k, float* out, int64_t ldo) {
-  __m512 acc[M];
-  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512 eight = _mm512_set1_ps(8.f);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* w = packed + g * kGroupBytes;
-    __m512i lo[4], hi[4];
-    for (int l = 0; l < 4; ++l) {
-      const __m512i v = _mm512_loadu_si512(w + 64 * l);
-      lo[l] = _mm512_and_si512(v, nibble);
-      hi[l] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-    }
-    const uint16_t* p = params + g * 2 * kBlock;
-    const __m512 s = bf16x16(p), low = _mm512_fnmadd_ps(eight, s, bf16x16(p + kBlock));
+// acc += (level sums * scale_w * scale_x) + low_w * (scale_x * sum q), 16 outputs; `p` holds their
+// (bfloat16 scale, bfloat16 low) pairs, one 32-bit word per output.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void accumulate(__m512& acc, __m512i dot,
+                                                                              const uint8_t* p, __m512 sx,
+                                                                              __m512 sq) {
+  const __m512i v = _mm512_loadu_si512(p);
+  const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  const __m512 low = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, sx), acc);
+  acc = _mm512_fmadd_ps(low, sq, acc);
+}
+
+// One block of 64 outputs for M (1 or 2) rows, whose inputs are `k` apart; outputs `ldo` apart.
+template <int M, typename O>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_block(const uint8_t* w, int64_t groups,
+                                                                        const int8_t* q, const float* xs,
+                                                                        const float* xsum, int64_t k, O* out,
+                                                                        int64_t ldo) {
+  __m512 acc[kTiles][M];
+  for (int t = 0; t < kTiles; ++t)
+    for (int r = 0; r < M; ++r) acc[t][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += kBlockStep) {
+    _mm_prefetch((const char*)(w + 4 * kBlockStep), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + 4 * kBlockStep + kBlockStep / 2), _MM_HINT_T0);
     for (int r = 0; r < M; ++r) {
       const int32_t* a = (const int32_t*)(q + r * k + g * kGroup);
-      __m512i dot = _mm512_setzero_si512();
-      for (int l = 0; l < 4; ++l) {
-        dot = _mm512_dpbusd_epi32(dot, lo[l], _mm512_set1_epi32(a[2 * l]));
-        dot = _mm512_dpbusd_epi32(dot, hi[l], _mm512_set1_epi32(a[2 * l + 1]));
-      }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(xs[r * groups + g])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+      __m512i b[8];
+      for (int l = 0; l < 8; ++l) b[l] = _mm512_set1_epi32(a[l]);
+      const __m512 sx = _mm512_set1_ps(xs[r * groups + g]), sq = _mm512_set1_ps(xsum[r * groups + g]);
+      for (int t = 0; t < kTiles; ++t)
+        accumulate(acc[t][r], tile_dot(w + t * kTileBytes, b), w + kTiles * kTileBytes + t * kParamBytes, sx, sq);
     }
   }
-  for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+  for (int t = 0; t < kTiles; ++t)
+    for (int r = 0; r < M; ++r) store16(acc[t][r], out + r * ldo + t * kBlock);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && params.dim() == 2, "int4_linear: x (rows, in), tiles 2-d");
-  const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0), groups = k / kGroup, n = tiles * kBlock;
-  TORCH_CHECK(k % kGroup == 0, "int4_linear: inputs must come in groups of ", kGroup, ", not ", k);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) == groups * kGroupBytes,
-              "int4_linear: tiles must be contiguous uint8 of shape (out / 16, ", groups * kGroupBytes, ")");
-  TORCH_CHECK(params.scalar_type() == at::kBFloat16 && params.is_contiguous() && params.size(0) == tiles &&
-                  params.size(1) == groups * 2 * kBlock,
-              "int4_linear: scales and zeros must be contiguous bfloat16 of shape (out / 16, ", groups * 2 * kBlock,
-              ")");
-  TORCH_CHECK(m >= 1, "int4_linear: no rows");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+template <typename T>
+at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& blocks) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, n = blocks.size(0) * kBlockOutputs;
   std::vector<int8_t> q(m * k);
   std::vector<float> xs(m * groups), xsum(m * groups);
+  const T* px = x.data_ptr<T>();
   for (int64_t r = 0; r < m; ++r)
-    round_blocks(xf.data_ptr<float>() + r * k, k, q.data() + r * k, xs.data() + r * groups, xsum.data() + r * groups);
-  at::Tensor out = at::empty({m, n}, xf.options());
-  const uint8_t* pw = packed.data_ptr<uint8_t>();
-  const uint16_t* pp = (const uint16_t*)params.data_ptr();
-  float* po = out.data_ptr<float>();
-  const int64_t tile_bytes = groups * kGroupBytes, tile_params = groups * 2 * kBlock;
-  if (m == 1 && tiles % 4 == 0) {  // a decode step of one sequence: four tiles at a time
-    at::parallel_for(0, tiles / 4, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        int4_tiles_one_row<4>(pw + 4 * t * tile_bytes, pp + 4 * t * tile_params, groups, q.data(), xs.data(),
-                              xsum.data(), po + 4 * t * kBlock);
-    });
-    return out;
-  }
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t r = 0; r < m; r += kMaxRows) {
+    round_blocks(px + r * k, k, q.data() + r * k, xs.data() + r * groups, xsum.data() + r * groups);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const uint8_t* pw = blocks.data_ptr<uint8_t>();
+  T* po = out.data_ptr<T>();
+  const int64_t stride = groups * kBlockStep;
+  at::parallel_for(0, blocks.size(0), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < m; r += 2) {  // two rows a pass: the second reads the block from cache
         const int8_t* qr = q.data() + r * k;
         const float *s = xs.data() + r * groups, *su = xsum.data() + r * groups;
-        const uint8_t* w = pw + t * tile_bytes;
-        const uint16_t* p = pp + t * tile_params;
-        float* o = po + r * n + t * kBlock;
-        switch (std::min(kMaxRows, m - r)) {
-          case 1: int4_tile_rows<1>(w, p, groups, qr, s, su, k, o, n); break;
-          case 2: int4_tile_rows<2>(w, p, groups, qr, s, su, k, o, n); break;
-          case 3: int4_tile_rows<3>(w, p, groups, qr, s, su, k, o, n); break;
-          default: int4_tile_rows<4>(w, p, groups, qr, s, su, k, o, n); break;
-        }
+        T* o = po + r * n + b * kBlockOutputs;
+        if (m - r == 1)
+          int4_block<1>(pw + b * stride, groups, qr, s, su, k, o, n);
+        else
+          int4_block<2>(pw + b * stride, groups, qr, s, su, k, o, n);
       }
-    }
   });
   return out;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "int4_linear: x must be (rows, in) and blocks 2-d");
+  const int64_t k = x.size(1), groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0, "int4_linear: inputs must come in groups of ", kGroup, ", not ", k);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(1) == groups * kBlockStep,
+              "int4_linear: blocks must be contiguous uint8 of shape (out / ", kBlockOutputs, ", ",
+              groups * kBlockStep, ")");
+  TORCH_CHECK(x.size(0) >= 1, "int4_linear: no rows");
+  if (x.scalar_type() == at::kBFloat16) return int4_rows<at::BFloat16>(x.contiguous(), blocks);
+  return int4_rows<float>(x.to(at::kFloat).contiguous(), blocks);
 }
 }  // namespace
 
 TORCH_LIBRARY(vlserve, lib) {
   lib.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-  lib.def("int4_linear(Tensor x, Tensor tiles, Tensor params) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor blocks) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(vlserve, CPU, lib) {
   lib.impl("int8_linear", int8_linear);
