@@ -10,7 +10,10 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 CACHE = pathlib.Path(os.environ.get("VLSERVE_HARNESS_DIR", "/var/tmp/vlserve-harness"))
-RELEASES = ("bookworm", "trixie")  # Debian 12 and 13: the tuning tiers boot both
+RELEASES = ("bookworm", "trixie")  # Debian 12 and 13: the nspawn tuning tier boots both
+# The QEMU tier's kernel-level checks boot only the older kernel (Debian 12's 6.1): under software
+# emulation each boot and Ansible run costs minutes, and CI's time is bounded.
+KERNEL_RELEASES = ("bookworm",)
 
 
 def key_for(release: str) -> pathlib.Path:
