@@ -109,6 +109,17 @@ def test_audit_reports_an_infeasible_host_instead_of_failing():
     assert "no plan: one Qwen3-VL-2B-Instruct worker needs" in result.stdout
 
 
+def test_a_tag_reapplies_one_concern_after_the_sizing():
+    result = playbook("playbooks/tune.yml", "--list-tasks", "--tags", "memory", check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tasks = [line.strip().split("\t")[0] for line in result.stdout.splitlines() if " : " in line]
+    roles = {task.split(" : ")[0] for task in tasks}
+    assert {"vlserve_facts", "vlserve_memory"} <= roles
+    # Of the other roles only the validation of their variables runs: a bad value still stops the play.
+    others = [task for task in tasks if task.split(" : ")[0] not in ("vlserve_facts", "vlserve_memory")]
+    assert others and all(" : Validating arguments against arg spec" in task for task in others), others
+
+
 def test_docs_role_variables_match_the_argument_specs():
     result = run_tool("python", "scripts/role-docs", "--check")
     assert result.returncode == 0, result.stderr
