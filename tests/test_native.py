@@ -1,6 +1,6 @@
-"""vlserve's own int8/int4 decode kernels: built once, int8 equal to the stock path bit for bit, int4 the
-exact sum of what it rounds, and never in the way where they cannot run (no compiler, a failed build,
-a CPU or torch held below AVX-512 VNNI)."""
+"""vlserve's own decode kernels: built once, int8 equal to the stock path bit for bit, int4 the exact
+sum of what it rounds, the norm and rotary ops transformers' own, and never in the way where they
+cannot run (no compiler, a failed build, a CPU or torch held below AVX-512 VNNI)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ import textwrap
 
 import pytest
 import torch
+from transformers.models.qwen3_vl import modeling_qwen3_vl
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
 from conftest import NATIVE_KERNELS
-from vlserve import native
+from vlserve import attention, decoderops, native
 from vlserve.loader import load_model
 from vlserve.quantized import INT4_GROUP, Int4Weight, Int8Weight, _int4_groups, int4_blocks, quantize_rows
 from vlserve.settings import LimitSettings, ModelSettings
 from vlserve.weightcache import WeightCache
 
 CPU_REASON = native.cpu_reason()
+stock_rotary = decoderops._stock_rotary  # transformers' function, whatever a loaded worker replaced it with
 needs_vnni = pytest.mark.skipif(CPU_REASON is not None, reason="the kernel cannot run here: %s" % CPU_REASON)
 
 
@@ -51,7 +54,7 @@ def loaded(fresh_state):
     if CPU_REASON is not None:
         pytest.skip("the kernels cannot run here: %s" % CPU_REASON)
     status = native.enable(pathlib.Path(NATIVE_KERNELS))
-    assert status.startswith("vlserve's int8/int4 decode kernels "), status
+    assert status.startswith("vlserve's decode kernels (int8/int4 products, norm, rotary, attention) "), status
 
 
 def stock(weight: Int8Weight, rows: torch.Tensor) -> torch.Tensor:
@@ -290,3 +293,126 @@ def test_a_worker_at_int4_maps_the_file_of_the_layout_its_kernels_take(tiny_mode
     plain, stock = load("off")
     assert plain == {False} and len(list(tmp_path.glob("*-int4-int4pack.safetensors"))) == 1
     assert float((with_kernels - stock).norm() / stock.norm()) < 0.05
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (4, 1, 16, 128), (1, 300, 2048)])
+def test_the_norm_op_is_transformers_rmsnorm_within_its_rounding(ops, shape, dtype):
+    """float32: a few units in the last place (the sum of squares adds in another order, and the
+    difference passes through three roundings); bfloat16: one unit, where the float32 value was a tie."""
+    torch.manual_seed(len(shape))
+    norm = Qwen3VLTextRMSNorm(shape[-1], eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(shape[-1]).to(dtype)
+    x = (torch.randn(shape) * torch.logspace(-2, 2, shape[-2])[:, None]).to(dtype)
+    expected = norm(x)
+    got = ops.rms_norm(x, norm.weight, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    tolerance = native.NORM_TOLERANCE[dtype]
+    assert torch.all((got.float() - expected.float()).abs() <= expected.float().abs() * tolerance)
+    if dtype == torch.bfloat16:  # the same roundings: a float32 difference shows only at a tie
+        assert (got == expected).float().mean() > 0.99
+    strided = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, not contiguous
+    assert torch.equal(ops.rms_norm(strided, norm.weight, 1e-6), got)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (4, 1), (2, 37)])
+def test_the_rotary_op_is_transformers_rotary_bit_for_bit(ops, batch, tokens, dtype):
+    """On the transposed views the attention hands it, and with one table broadcast over the batch."""
+    torch.manual_seed(batch + tokens)
+    q = torch.randn(batch, tokens, 16, 128).to(dtype).transpose(1, 2)
+    k = torch.randn(batch, tokens, 8, 128).to(dtype).transpose(1, 2)
+    for table_batch in (batch, 1):
+        cos, sin = torch.randn(2, table_batch, tokens, 128).to(dtype)
+        expected = stock_rotary(q, k, cos, sin)
+        got = ops.rotary(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@needs_vnni
+def test_the_decoder_ops_refuse_what_they_do_not_take(ops):
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(torch.randn(2, 64), torch.randn(32), 1e-6)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.rms_norm(torch.randn(2, 64), torch.randn(64).bfloat16(), 1e-6)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        ops.rms_norm(torch.randn(2, 64).half(), torch.randn(64).half(), 1e-6)
+    with pytest.raises(RuntimeError, match="must be \\(batch, heads, tokens, dim\\)"):
+        ops.rotary(torch.randn(1, 2, 64), torch.randn(1, 1, 1, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64))
+
+
+def test_a_quantized_worker_runs_its_norms_and_rotary_through_the_ops(loaded, tiny_model):
+    """Every norm of the language model (two a layer, the query and key norms, the final one) and its
+    rotary; the vision tower keeps its own; the logits are the stock modules' within their rounding."""
+    settings = ModelSettings(model=tiny_model, quantize="int4", native_kernels=NATIVE_KERNELS, warmup=False)
+    model = load_model(settings, LimitSettings(max_batch_size=1), lambda message: None).model
+    text = model.model.language_model
+    native_norms = [module for module in model.modules() if isinstance(module, decoderops.NativeRMSNorm)]
+    assert len(native_norms) == 4 * len(text.layers) + 1
+    assert not any(isinstance(module, Qwen3VLTextRMSNorm) for module in text.modules())
+    assert not any(isinstance(module, decoderops.NativeRMSNorm) for module in model.model.visual.modules())
+    ids = torch.arange(40)[None]
+    with torch.inference_mode():
+        fused = model(input_ids=ids).logits[0, -1]
+        for parent in list(text.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, decoderops.NativeRMSNorm):
+                    stock = Qwen3VLTextRMSNorm(child.weight.shape[0], child.variance_epsilon)
+                    stock.weight = child.weight
+                    setattr(parent, name, stock)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(modeling_qwen3_vl, "apply_rotary_pos_emb", stock_rotary)
+            reference = model(input_ids=ids).logits[0, -1]
+    assert float((fused - reference).norm() / reference.norm()) < 0.01
+
+
+@needs_vnni
+@pytest.mark.parametrize(
+    ("batch", "tokens", "mask_kind"), [(1, 1, None), (1, 41, None), (4, 300, "bool"), (3, 17, "add")]
+)
+def test_the_attention_op_is_the_python_path_within_its_rounding(ops, batch, tokens, mask_kind):
+    """On views of a cache buffer with headroom (as kvcache hands them), left-padded sequences masked.
+    Its float32 sums add in another order: where that moves a bfloat16 rounding, by one unit."""
+    torch.manual_seed(tokens)
+    key = torch.randn(batch, 8, tokens + 64, 128).bfloat16()[:, :, :tokens]
+    value = torch.randn(batch, 8, tokens + 64, 128).bfloat16()[:, :, :tokens]
+    query = torch.randn(batch, 1, 16, 128).bfloat16().transpose(1, 2)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.ones(batch, 1, 1, tokens, dtype=torch.bool)
+        mask[1:, ..., :5] = False
+    elif mask_kind == "add":
+        mask = torch.zeros(batch, 1, 1, tokens)
+        mask[0, ..., :3] = float("-inf")
+    expected = attention.one_query_attention(query, key, value, mask, scaling=128**-0.5)
+    got = ops.one_query_attention(query, key, value, mask, 128**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
+    assert (got == expected).float().mean() > 0.98
+
+
+@needs_vnni
+def test_the_attention_op_refuses_what_it_does_not_take(ops):
+    query, key = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 5, 32)
+    with pytest.raises(RuntimeError, match="q must be"):
+        ops.one_query_attention(torch.randn(1, 4, 2, 32), key, key, None, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16 and contiguous"):
+        ops.one_query_attention(query, key.transpose(2, 3).contiguous().transpose(2, 3), key, None, 1.0)
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        ops.one_query_attention(query, key.bfloat16(), key, None, 1.0)
+
+
+def test_a_decode_step_attends_through_the_op_where_it_is_loaded(loaded, monkeypatch):
+    calls = []
+    op = native.one_query_attention()
+    monkeypatch.setattr(native, "one_query_attention", lambda: lambda *args: calls.append(args) or op(*args))
+    query = torch.randn(1, 1, 16, 128).bfloat16().transpose(1, 2)
+    key = value = torch.randn(1, 8, 7, 128).bfloat16()
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 2, True
+    out, _ = attention.attention(layer, query, key, value, None, scaling=None)
+    assert len(calls) == 1 and calls[0][4] == 128**-0.5 and out.shape == (1, 1, 16, 128)
+    attention.attention(layer, query.float(), key.float(), value.float(), None)  # float32 models: sdpa
+    assert len(calls) == 1

@@ -7,6 +7,11 @@ sequence over 300 cached tokens, 1.4 ms over 1000, 1.7 ms for four sequences ove
 65 ms int4 decode step. The same attention as two matrix products takes 98, 161 and 198 us. Its
 float32 path does not repack (43 us over 300), so float32 models and prompts keep `sdpa`.
 
+Where vlserve's library is loaded (vlserve.native: the quantized levels on AVX-512 hosts), the same
+computation runs as one op that reads the bfloat16 keys and values where they lie (no widened copy),
+equal to the Python path here within a unit of bfloat16 (its float32 sums add in another order,
+which may move a rounding; most values are equal bit for bit: tests/test_native.py).
+
 Rounding as the flash kernel rounds: scores are float32 products (a bfloat16 product would round
 each score to 8 bits of mantissa; the keys are widened to float32, a chunk of the batch at a time so
 the temporary stays small), softmax in float32, probabilities rounded to the values' dtype for the
@@ -19,6 +24,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from vlserve import native
 
 NAME = "vlserve"  # what the text model's config names as its attention implementation
 WIDENED_KEYS_BYTES = 16 << 20  # float32 keys widened at a time: reused heap memory, not a fresh mmap per call
@@ -41,6 +48,9 @@ def attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    op = native.one_query_attention()
+    if op is not None and key.stride(-1) == value.stride(-1) == query.stride(-1) == 1 and query.shape[-1] % 16 == 0:
+        return op(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     return one_query_attention(query, key, value, attention_mask, scaling=scaling), None
 
 
@@ -53,7 +63,7 @@ def one_query_attention(
     kv_heads, length = key.shape[1], key.shape[2]
     scale = dim**-0.5 if scaling is None else scaling
     # Query heads sharing a key/value head become rows of one product (grouped-query attention).
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).float().mul_(scale)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).to(torch.float32, copy=True).mul_(scale)
     chunk = max(1, WIDENED_KEYS_BYTES // (kv_heads * length * dim * 4))
     parts = [
         torch.matmul(grouped[start : start + chunk], key[start : start + chunk].float().transpose(-1, -2))

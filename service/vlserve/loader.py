@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vlserve import attention, native, sizing
+from vlserve import attention, decoderops, native, sizing
 from vlserve.errors import ModelDirectoryError
 from vlserve.packing import (
     checkpoint_copy_steps,
@@ -198,6 +198,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         )
         if choices.dtype != "bfloat16":
             network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
+        decoderops.use_for(network)  # the norms and rotary in one call each, where the library loaded
         prefill_dtype = copy or level
         prefill_copies = pending_prefill_copies(network)
         map_copies = checkpoint_copy_steps(network, load_dtype)

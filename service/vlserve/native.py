@@ -45,6 +45,10 @@ INPUT_MULTIPLE = 64  # its inputs per vpdpbusd: a layer whose inputs are not a m
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
 BUILD_TIMEOUT_S = 600
+# How far the norm op may be from transformers' RMSNorm, relative: its float32 sum of squares adds in
+# another order, which moves a float32 result by a few units in the last place and a bfloat16 one
+# by at most one (where the float32 value was near a tie).
+NORM_TOLERANCE = {torch.float32: 8 * 2.0**-23, torch.bfloat16: 2 * 2.0**-7}
 
 
 class NativeUnavailable(Exception):
@@ -177,6 +181,43 @@ def _check(ops) -> None:
         got = ops.int4_linear(x, int4_blocks(levels, scales, lows)).double()
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())):
             raise NativeUnavailable("its int4 check differs from the reference by %.3g" % (got - expected).abs().max())
+    _check_decoder_ops(ops, generator)
+
+
+def _check_decoder_ops(ops, generator: torch.Generator) -> None:
+    """The norm and rotary ops against transformers' own (rotary bit for bit, the norm within
+    NORM_TOLERANCE), the attention op against vlserve.attention's Python path (within a unit of
+    bfloat16: its float32 sums add in another order, which may move a rounding)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm  # noqa: PLC0415 - only here
+
+    from vlserve import attention  # noqa: PLC0415 - it imports this module
+
+    for dtype, tolerance in NORM_TOLERANCE.items():
+        norm = Qwen3VLTextRMSNorm(128, eps=1e-6).to(dtype)
+        norm.weight.data = torch.randn(128, generator=generator).to(dtype)
+        x = torch.randn(3, 2, 128, generator=generator).to(dtype)
+        expected, got = norm(x).float(), ops.rms_norm(x, norm.weight, 1e-6).float()
+        if not torch.all((got - expected).abs() <= expected.abs() * tolerance):
+            raise NativeUnavailable("its norm check differs from transformers' by %.3g" % (got - expected).abs().max())
+        q = torch.randn(2, 3, 4, 64, generator=generator).to(dtype).transpose(1, 2)  # a transposed view, as served
+        k = torch.randn(2, 3, 2, 64, generator=generator).to(dtype).transpose(1, 2)
+        cos, sin = (torch.randn(2, 3, 64, generator=generator).to(dtype) for _ in range(2))
+        # transformers' apply_rotary_pos_emb, written out: decoderops may have replaced it already.
+        c, s = cos[:, None], sin[:, None]
+        expected_q, expected_k = (x * c + torch.cat((-x[..., 32:], x[..., :32]), -1) * s for x in (q, k))
+        got_q, got_k = ops.rotary(q, k, cos, sin)
+        if not (torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)):
+            raise NativeUnavailable("its rotary check differs from transformers'")
+    query = torch.randn(2, 1, 4, 32, generator=generator).bfloat16().transpose(1, 2)
+    key, value = (torch.randn(2, 2, 9, 32, generator=generator).bfloat16() for _ in range(2))
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., :3] = False  # a left-padded sequence
+    expected = attention.one_query_attention(query, key, value, mask, scaling=0.2).float()
+    got = ops.one_query_attention(query, key, value, mask, 0.2).float()
+    if not torch.allclose(got, expected, rtol=2**-7, atol=1e-3):
+        raise NativeUnavailable(
+            "its attention check differs from the Python path by %.3g" % (got - expected).abs().max()
+        )
 
 
 class _State:
@@ -213,7 +254,7 @@ def enable(root: Path | None) -> str:
             log.warning("native kernel: %s", _state.status)
         else:
             _state.ops = ops
-            _state.status = "vlserve's int8/int4 decode kernels %s %s" % (
+            _state.status = "vlserve's decode kernels (int8/int4 products, norm, rotary, attention) %s %s" % (
                 "built into" if built else "loaded from",
                 path,
             )
@@ -236,6 +277,25 @@ def int4_linear():
     """The loaded int4 op, or None: (rows, in) float32 or bfloat16 x blocks (quantized.int4_blocks) ->
     (rows, out) in the rows' dtype."""
     return None if _state.ops is None else _state.ops.int4_linear
+
+
+def rms_norm():
+    """The loaded norm op, or None: (..., d) float32 or bfloat16 rows, (d,) weight of their dtype, eps ->
+    transformers' Qwen3VLTextRMSNorm of them (vlserve.decoderops)."""
+    return None if _state.ops is None else _state.ops.rms_norm
+
+
+def rotary():
+    """The loaded rotary op, or None: q, k (batch, heads, tokens, dim) and cos, sin (batch, tokens, dim)
+    of one dtype -> transformers' apply_rotary_pos_emb of them (vlserve.decoderops)."""
+    return None if _state.ops is None else _state.ops.rotary
+
+
+def one_query_attention():
+    """The loaded attention op, or None: q (batch, heads, 1, dim), key and value (batch, kv_heads, tokens,
+    dim) with a contiguous last dimension, mask or None, scale -> (batch, 1, heads, dim) as
+    vlserve.attention.one_query_attention computes it."""
+    return None if _state.ops is None else _state.ops.one_query_attention
 
 
 def int4_layout() -> str:

@@ -28,18 +28,30 @@
 // Both take float32 or bfloat16 rows and return the rows' dtype (bfloat16 rounded from the float32
 // result): a decode step converts nothing around them.
 //
+// rms_norm, rotary and one_query_attention: the decoder layer's small operations, each one call
+// instead of the 8 (norm), 12 (rotary on a query and a key) and ~13 (attention) that transformers'
+// Qwen3-VL modules and vlserve.attention dispatch, with the same roundings: the norm in float32,
+// rounded to the rows' dtype, then times the weight and rounded again; rotary's two products and
+// their sum each rounded to the dtype; attention as vlserve.attention's Python path (below). The
+// norm and rotary are plain C++ (a decode step's rows are a few thousand values: the cost was the
+// dispatch, not the arithmetic); the attention reads the cache's bfloat16 keys and values in place.
+//
 // Every function that uses AVX-512 is compiled for it through a target attribute, the rest of the
 // file for the baseline ISA: the library loads on any x86-64 CPU, and vlserve.native calls it only
 // where the CPU has AVX-512 VNNI.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_softmax.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -287,13 +299,208 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blocks) {
   if (x.scalar_type() == at::kBFloat16) return int4_rows<at::BFloat16>(x.contiguous(), blocks);
   return int4_rows<float>(x.to(at::kFloat).contiguous(), blocks);
 }
+// transformers' Qwen3VLTextRMSNorm: weight * to_dtype(x * rsqrt(mean(x^2) + eps)), float32 inside.
+template <typename T>
+void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * d;
+      T* o = out + r * d;
+      float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight chains: as exact as one, and not bound by its latency
+      int64_t i = 0;
+      for (; i + 8 <= d; i += 8)
+        for (int j = 0; j < 8; ++j) partial[j] += float(xr[i + j]) * float(xr[i + j]);
+      for (; i < d; ++i) partial[0] += float(xr[i]) * float(xr[i]);
+      const float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) +
+                        ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+      const float inverse = 1.f / std::sqrt(sum / float(d) + eps);
+      for (i = 0; i < d; ++i) o[i] = T(float(weight[i]) * float(T(float(xr[i]) * inverse)));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "rms_norm: weight must be (", d, ")");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
+  const at::Tensor rows = x.contiguous(), w = weight.contiguous();
+  at::Tensor out = at::empty(x.sizes(), rows.options());
+  const int64_t n = d ? rows.numel() / d : 0;
+  if (x.scalar_type() == at::kBFloat16)
+    norm_rows(rows.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), n, d, float(eps));
+  else if (x.scalar_type() == at::kFloat)
+    norm_rows(rows.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), n, d, float(eps));
+  else
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only, not ", x.scalar_type());
+  return out;
+}
+
+// transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1);
+// x (batch, heads, tokens, dim) with any strides, cos and sin (batch, tokens, dim), broadcast over heads.
+template <typename T>
+void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t batch = x.size(0), heads = x.size(1), tokens = x.size(2), dim = x.size(3), half = dim / 2;
+  const T *px = x.data_ptr<T>(), *pc = cos.data_ptr<T>(), *ps = sin.data_ptr<T>();
+  T* po = out.data_ptr<T>();
+  const int64_t xb = x.stride(0), xh = x.stride(1), xt = x.stride(2), xd = x.stride(3);
+  const int64_t cb = cos.stride(0), ct = cos.stride(1), cd = cos.stride(2);
+  const int64_t sb = sin.stride(0), st = sin.stride(1), sd = sin.stride(2);
+  at::parallel_for(0, batch * heads * tokens, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (heads * tokens), h = i / tokens % heads, t = i % tokens;
+      const T* xr = px + b * xb + h * xh + t * xt;
+      const T *c = pc + b * cb + t * ct, *s = ps + b * sb + t * st;
+      T* o = po + i * dim;
+      for (int64_t j = 0; j < dim; ++j) {
+        const float rotated = j < half ? -float(xr[(j + half) * xd]) : float(xr[(j - half) * xd]);
+        o[j] = T(float(T(float(xr[j * xd]) * float(c[j * cd]))) + float(T(rotated * float(s[j * sd]))));
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                         const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.dim() == 3,
+              "rotary: q and k must be (batch, heads, tokens, dim), cos and sin (batch, tokens, dim)");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == cos.scalar_type() &&
+                  q.scalar_type() == sin.scalar_type(),
+              "rotary: q, k, cos and sin must share a dtype");
+  TORCH_CHECK(q.size(-1) % 2 == 0 && k.size(-1) == q.size(-1) && cos.size(-1) == q.size(-1), "rotary: dims differ");
+  std::tuple<at::Tensor, at::Tensor> out;
+  for (int which = 0; which < 2; ++which) {
+    const at::Tensor& x = which ? k : q;
+    const std::vector<int64_t> table{x.size(0), x.size(2), x.size(3)};
+    const at::Tensor c = cos.expand(table), s = sin.expand(table);
+    at::Tensor o = at::empty(x.sizes(), x.options());
+    if (x.scalar_type() == at::kBFloat16)
+      rotate<at::BFloat16>(x, c, s, o);
+    else if (x.scalar_type() == at::kFloat)
+      rotate<float>(x, c, s, o);
+    else
+      TORCH_CHECK(false, "rotary: float32 or bfloat16 only, not ", x.scalar_type());
+    (which ? std::get<1>(out) : std::get<0>(out)) = o;
+  }
+  return out;
+}
+// vlserve.attention's one-query attention (a decode step): q (batch, heads, 1, dim), key and value
+// (batch, kv_heads, tokens, dim), views of the growing cache with any strides but a contiguous last
+// dimension, dim a multiple of 16; mask None, boolean (True attends) or additive, (batch, 1, 1, tokens).
+// As the Python path rounds: float32 scores from the float32 query (scaled first) and the keys read
+// as float32, float32 softmax, probabilities rounded to the values' dtype, float32 sums of them times
+// the values, rounded to the dtype. The query heads that share a key head read each key row once.
+// One key head's scores: `group` float32 query rows (scaled) times `tokens` key rows.
+template <typename T>
+__attribute__((target("avx512f,avx512bw"))) void head_scores(const float* wide, int64_t group, const T* key,
+                                                             int64_t key_stride, int64_t tokens, int64_t dim,
+                                                             float* out) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* k = key + t * key_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < dim; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(wide + g * dim + j), load16(k + j), acc);
+      out[g * tokens + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// One key head's outputs: `group` rows of probabilities times `tokens` value rows, into (group, dim).
+template <typename T>
+__attribute__((target("avx512f,avx512bw"))) void head_values(const float* weights, int64_t group, const T* value,
+                                                             int64_t value_stride, int64_t tokens, int64_t dim,
+                                                             float* acc, T* out) {
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* v = value + t * value_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(float(T(weights[g * tokens + t])));  // rounded as the Python path rounds
+      for (int64_t j = 0; j < dim; j += 16)
+        _mm512_storeu_ps(acc + g * dim + j, _mm512_fmadd_ps(p, load16(v + j), _mm512_loadu_ps(acc + g * dim + j)));
+    }
+  }
+  for (int64_t j = 0; j < group * dim; j += 16) store16(_mm512_loadu_ps(acc + j), out + j);
+}
+
+template <typename T>
+void attention_scores(const at::Tensor& q, const at::Tensor& key, float scale, at::Tensor& scores) {
+  const int64_t kv_heads = key.size(1), tokens = key.size(2), dim = key.size(3), group = q.size(1) / kv_heads;
+  const T *pq = q.data_ptr<T>(), *pk = key.data_ptr<T>();
+  float* ps = scores.data_ptr<float>();
+  at::parallel_for(0, key.size(0) * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> wide(group * dim);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / kv_heads, h = i % kv_heads;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < dim; ++j)
+          wide[g * dim + j] = float(pq[b * q.stride(0) + (h * group + g) * q.stride(1) + j]) * scale;
+      head_scores(wide.data(), group, pk + b * key.stride(0) + h * key.stride(1), key.stride(2), tokens, dim,
+                  ps + i * group * tokens);
+    }
+  });
+}
+
+template <typename T>
+void attention_values(const at::Tensor& weights, const at::Tensor& value, at::Tensor& out) {
+  const int64_t kv_heads = value.size(1), tokens = value.size(2), dim = value.size(3), group = weights.size(2);
+  const float* pw = weights.data_ptr<float>();
+  const T* pv = value.data_ptr<T>();
+  T* po = out.data_ptr<T>();  // (batch, 1, heads, dim), contiguous: key head h's rows are h * group ..
+  at::parallel_for(0, value.size(0) * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(group * dim);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / kv_heads, h = i % kv_heads;
+      head_values(pw + i * group * tokens, group, pv + b * value.stride(0) + h * value.stride(1), value.stride(2),
+                  tokens, dim, acc.data(), po + i * group * dim);
+    }
+  });
+}
+
+at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                               const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && key.dim() == 4 && value.dim() == 4 && q.size(2) == 1,
+              "one_query_attention: q must be (batch, heads, 1, dim), key and value (batch, kv_heads, tokens, dim)");
+  const int64_t batch = key.size(0), kv_heads = key.size(1), tokens = key.size(2), dim = key.size(3);
+  TORCH_CHECK(q.size(0) == batch && value.sizes() == key.sizes() && q.size(3) == dim && q.size(1) % kv_heads == 0,
+              "one_query_attention: shapes do not match");
+  TORCH_CHECK(dim % 16 == 0 && key.stride(3) == 1 && value.stride(3) == 1 && q.stride(3) == 1,
+              "one_query_attention: dim must be a multiple of 16 and contiguous");
+  TORCH_CHECK(q.scalar_type() == key.scalar_type() && q.scalar_type() == value.scalar_type() &&
+                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
+              "one_query_attention: q, key and value must be all float32 or all bfloat16");
+  const int64_t heads = q.size(1);
+  at::Tensor scores = at::empty({batch, kv_heads, heads / kv_heads, tokens}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kBFloat16)
+    attention_scores<at::BFloat16>(q, key, float(scale), scores);
+  else
+    attention_scores<float>(q, key, float(scale), scores);
+  if (mask.has_value() && mask->defined()) {
+    const at::Tensor m = mask->reshape({mask->size(0), 1, 1, tokens});
+    if (m.scalar_type() == at::kBool)
+      scores.masked_fill_(m.logical_not(), -std::numeric_limits<float>::infinity());
+    else
+      scores.add_(m);
+  }
+  const at::Tensor weights = at::_softmax(scores, -1, false);
+  at::Tensor out = at::empty({batch, 1, heads, dim}, q.options());
+  if (q.scalar_type() == at::kBFloat16)
+    attention_values<at::BFloat16>(weights, value, out);
+  else
+    attention_values<float>(weights, value, out);
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(vlserve, lib) {
   lib.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor blocks) -> Tensor");
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  lib.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  lib.def("one_query_attention(Tensor q, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(vlserve, CPU, lib) {
   lib.impl("int8_linear", int8_linear);
   lib.impl("int4_linear", int4_linear);
+  lib.impl("rms_norm", rms_norm);
+  lib.impl("rotary", rotary);
+  lib.impl("one_query_attention", one_query_attention);
 }
