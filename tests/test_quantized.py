@@ -245,6 +245,10 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
     for figures in levels.values():
         assert figures["tokens_per_s"] > 0 and figures["step_ms_range"][0] <= figures["step_ms"]
         assert figures["rss_anon_bytes"] > 0  # read from /proc (Linux)
+        assert len(figures["step_ms_rounds"]) == 2 and min(figures["step_ms_rounds"]) == figures["step_ms_range"][0]
+        low, high = figures["speedup_rounds_range"]
+        assert low <= high and figures["speedup_vs_first_best"] <= figures["speedup"]
+    assert levels["none"]["speedup_rounds_range"] == [1, 1]
     sizes = [levels[level]["decode_bytes_per_token"] for level in ("none", "int8", "int4")]
     assert sizes[0] > sizes[1] > sizes[2] > 0
     assert "| int4 |" in result.stdout or "| int4 | " in result.stdout
