@@ -9,9 +9,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
+import os
 import pathlib
+import shutil
+import tarfile
+import tomllib
 import typing
+from importlib.machinery import SourceFileLoader
 
 import pytest
 import yaml
@@ -125,24 +131,42 @@ def test_docs_role_variables_match_the_argument_specs():
     assert result.returncode == 0, result.stderr
 
 
-def test_the_deploy_role_ships_every_package_a_host_runs():
-    """A new subpackage of vlserve must reach the hosts (only the benchmarks stay on the controller)."""
-    shipped = set(
-        yaml.safe_load((REPO / "roles/vlserve_deploy/vars/main.yml").read_text())["__vlserve_deploy_source_dirs"]
-    )
+def _pack_source():
+    loader = SourceFileLoader("pack_source", str(REPO / "scripts/pack-source"))
+    spec = importlib.util.spec_from_loader("pack_source", loader)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shipped_source_holds_every_package_and_data_file_a_host_runs(tmp_path):
+    """A new subpackage or data file of vlserve reaches the hosts (only the benchmarks stay behind)."""
+    archive = tmp_path / "source.tar.gz"
+    assert run_tool("python", "scripts/pack-source", str(archive)).returncode == 0
+    with tarfile.open(archive) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames()}
     service = REPO / "service"
-    packages = {str(p.parent.relative_to(service)) for p in (service / "vlserve").rglob("__init__.py")}
-    assert shipped == packages - {"vlserve/bench"}
-
-
-def test_the_deploy_role_ships_every_data_file_of_the_package():
-    """pyproject's package-data (schemas, the page, the kernel's source) is copied by its own glob."""
-    import tomllib  # noqa: PLC0415
-
-    globs = tomllib.loads((REPO / "service/pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    install = (REPO / "roles/vlserve_deploy/tasks/install.yml").read_text()
+    packages = {str(p.relative_to(service)) for p in (service / "vlserve").rglob("__init__.py")}
+    assert {p for p in packages if not p.startswith("vlserve/bench/")} <= names
+    assert not any(name.startswith("vlserve/bench/") or "__pycache__" in name for name in names), names
+    assert "pyproject.toml" in names
+    globs = tomllib.loads((service / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     for pattern in globs["vlserve"]:
-        assert "/service/vlserve/%s'" % pattern in install, "install.yml does not copy vlserve/%s" % pattern
+        data = {str(p.relative_to(service)) for p in (service / "vlserve").glob(pattern)}
+        assert data and data <= names, pattern
+
+
+def test_the_shipped_source_is_the_same_bytes_for_the_same_source(tmp_path):
+    """Reproducible, so the deploy role's copy changes nothing on a re-run: times and modes on disk do not count."""
+    pack = _pack_source()
+    service = tmp_path / "service"
+    shutil.copytree(REPO / "service", service, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    first = pack.archive_bytes(service)
+    (service / "vlserve" / "errors.py").touch()
+    os.chmod(service / "vlserve" / "errors.py", 0o600)
+    assert pack.archive_bytes(service) == first
+    (service / "vlserve" / "errors.py").write_text("# changed\n")
+    assert pack.archive_bytes(service) != first
 
 
 def test_tuning_roles_take_their_paths_from_the_audit():
