@@ -7,6 +7,7 @@ Ansible task), and kept to the kernel-level checks.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import shutil
@@ -23,10 +24,12 @@ def ensure_image(release: str = "bookworm", rebuild: bool = False) -> pathlib.Pa
     """A release's VM image (kernel, initrd, disk), built from its rootfs once per machine."""
     rootfs = nspawn.ensure_rootfs(release)
     image_dir = nspawn.CACHE / ("vm-" + release)
-    if rebuild or not (image_dir / "disk.img").exists():
-        subprocess.run(
-            [str(nspawn.REPO / "tests" / "harness" / "build-vm-image"), str(rootfs), str(image_dir)], check=True
-        )
+    builder = nspawn.REPO / "tests" / "harness" / "build-vm-image"
+    # An image built by another version of the script is rebuilt, never reused.
+    stamp, built_by = image_dir / "built-by", hashlib.sha256(builder.read_bytes()).hexdigest()
+    if rebuild or not (image_dir / "disk.img").exists() or not stamp.exists() or stamp.read_text() != built_by:
+        subprocess.run([str(builder), str(rootfs), str(image_dir)], check=True)
+        stamp.write_text(built_by)
     return image_dir
 
 
