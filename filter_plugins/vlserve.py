@@ -6,7 +6,8 @@ import importlib.util
 import pathlib
 import sys
 
-_PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "service" / "vlserve"
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+_PACKAGE = _REPO / "service" / "vlserve"
 
 
 def _load(name: str):
@@ -23,6 +24,19 @@ def _load(name: str):
         sys.modules[qualified] = importlib.util.module_from_spec(spec)  # dataclasses look their module up here
         spec.loader.exec_module(sys.modules[qualified])
     return sys.modules[qualified]
+
+
+def _source_digest(service: str) -> str:
+    """The digest of what scripts/pack-source ships from `service` (the benchmarks do not count)."""
+    from importlib.machinery import SourceFileLoader  # noqa: PLC0415
+
+    if "vlserve_pack_source" not in sys.modules:
+        loader = SourceFileLoader("vlserve_pack_source", str(_REPO / "scripts" / "pack-source"))
+        sys.modules["vlserve_pack_source"] = importlib.util.module_from_spec(
+            importlib.util.spec_from_loader(loader.name, loader)
+        )
+        loader.exec_module(sys.modules["vlserve_pack_source"])
+    return sys.modules["vlserve_pack_source"].source_digest(pathlib.Path(service))
 
 
 def _tree_digest(paths: list[str], contents: bool = True) -> str:
@@ -58,6 +72,8 @@ class FilterModule:
             "vlserve_fleet_context": _load("units").fleet_context,
             # files and directories on the controller -> one sha256 of their contents (the rollout's fingerprint)
             "vlserve_tree_digest": _tree_digest,
+            # the service directory -> the sha256 of the package's files a host gets (its archive's name)
+            "vlserve_source_digest": _source_digest,
             # every host's audit report -> the fleet's summary, and its table
             "vlserve_fleet_summary": _load("audit").fleet_summary,
             "vlserve_render_fleet": _load("audit").render_fleet,

@@ -169,6 +169,37 @@ def test_the_shipped_source_is_the_same_bytes_for_the_same_source(tmp_path):
     assert pack.archive_bytes(service) != first
 
 
+def test_only_what_ships_names_the_archive_and_rolls_the_fleet(tmp_path):
+    """A benchmark-only change leaves the deploy role's source digest (archive name, fingerprint) alone."""
+    pack = _pack_source()
+    service = tmp_path / "service"
+    shutil.copytree(REPO / "service", service, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    first = pack.source_digest(service)
+    (service / "vlserve" / "bench" / "compare.py").write_text("# changed\n")
+    (service / "vlserve" / "__pycache__").mkdir(exist_ok=True)
+    (service / "vlserve" / "__pycache__" / "errors.cpython-311.pyc").write_bytes(b"stale")
+    assert pack.source_digest(service) == first
+    (service / "vlserve" / "errors.py").write_text("# changed\n")
+    assert pack.source_digest(service) != first
+    spec = importlib.util.spec_from_file_location("vlserve_filters", REPO / "filter_plugins" / "vlserve.py")
+    filters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(filters)
+    assert filters.FilterModule().filters()["vlserve_source_digest"](str(REPO / "service")) == pack.source_digest()
+
+
+def test_packing_with_keep_removes_only_the_oldest_other_archives(tmp_path):
+    pack = _pack_source()
+    for age in range(4):
+        old = tmp_path / ("source-old%d.tar.gz" % age)
+        old.write_bytes(b"old")
+        os.utime(old, (1e9 - age, 1e9 - age))
+    (tmp_path / "notes.txt").write_text("not an archive")
+    assert pack.main(["--keep", "2", str(tmp_path / "source-new.tar.gz")]) == 0
+    left = sorted(path.name for path in tmp_path.iterdir())
+    assert left == ["notes.txt", "source-new.tar.gz", "source-old0.tar.gz", "source-old1.tar.gz"]
+    assert pack.main(["--keep", "x", str(tmp_path / "a.tar.gz")]) == 2
+
+
 def test_tuning_roles_take_their_paths_from_the_audit():
     """The files the roles write are the ones the audit reads: named once, in audit.TUNING_FILES."""
     for path in (REPO / "roles").glob("*/tasks/*.yml"):

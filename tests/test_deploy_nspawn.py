@@ -243,18 +243,28 @@ def test_a_killed_worker_is_restarted_and_the_front_routes_around_it(guest, depl
     assert len(failures) <= 1, failures  # at most the one request inside the killed worker
 
 
-def test_a_changed_setting_restarts_workers_one_at_a_time_without_a_failed_request(guest, workdir, deployed, host_vars):
+def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request(guest, workdir, deployed, host_vars):
+    """int8 on a host that ran exact, as an 8 GB laptop's plan would: the role installs the compiler,
+    each worker comes back with the int8 kernel built inside its hardened unit and its weights
+    rounded into the cache directory, and the other worker answers meanwhile."""
     pids = [main_pid(guest, 0), main_pid(guest, 1)]
     client = Client(host_vars)
     client.start()
-    result = play(guest, workdir, "site.yml", **dict(host_vars, vlserve_deploy_settings={"max_pixels": 40000}))
+    changed = dict(host_vars, vlserve_facts_quantize="int8", vlserve_deploy_settings={"max_pixels": 40000})
+    result = play(guest, workdir, "site.yml", **changed)
     outcomes = client.stop()
     assert result.returncode == 0, result.stdout[-4000:]
     assert "Restart the workers one at a time" in result.stdout
-    assert [main_pid(guest, 0), main_pid(guest, 1)] != pids and "0" not in [main_pid(guest, 0), main_pid(guest, 1)]
-    assert all(pid not in pids for pid in (main_pid(guest, 0), main_pid(guest, 1)))
-    assert "VLSERVE_MAX_PIXELS=40000" in guest.ssh("cat /etc/vlserve/vlserve.env").stdout
+    assert all(pid not in pids and pid != "0" for pid in (main_pid(guest, 0), main_pid(guest, 1)))
     assert outcomes and all(o == 200 for o in outcomes), [o for o in outcomes if o != 200]
+    assert "VLSERVE_MAX_PIXELS=40000" in guest.ssh("cat /etc/vlserve/vlserve.env").stdout
+    plan = audit(guest, workdir, **changed)["plan"]
+    for worker in plan["worker_list"]:
+        info = httpx.get("http://127.0.0.1:%d/readyz" % worker["port"], timeout=10).json()
+        assert info["quantize"] == "int8", info
+        assert "/var/cache/vlserve/kernels/decode_" in info["kernels"], info  # built by one, loaded by the other
+    assert "-int8.safetensors" in guest.ssh("ls /var/cache/vlserve/weights").stdout
+    assert ask(host_vars).status_code == 200
 
 
 def test_a_missing_model_fails_the_unit_fast_and_the_play_says_why(guest, workdir, deployed, host_vars, tmp_path):
