@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlserve import attention
+from vlserve import attention, native
 from vlserve.kvcache import new_cache
 from vlserve.loader import load_model
 from vlserve.settings import LimitSettings, ModelSettings
@@ -68,6 +68,7 @@ def test_the_batch_is_widened_in_chunks_with_the_same_result(monkeypatch):
 
 
 def test_float32_and_prompts_keep_sdpa(monkeypatch):
+    monkeypatch.setattr(native, "_state", native._State())  # the Python path, whatever this process loaded
     calls = []
     monkeypatch.setattr(attention, "one_query_attention", lambda *args, **kwargs: calls.append(args))
     module = torch.nn.Module()
@@ -82,8 +83,10 @@ def test_float32_and_prompts_keep_sdpa(monkeypatch):
 
 
 def test_a_loaded_model_decodes_through_it_as_it_would_through_sdpa(tiny_model, monkeypatch):
+    # The Python path: where vlserve's kernels load, decode steps attend through their op (test_native).
+    monkeypatch.setattr(native, "_state", native._State())
     loaded = load_model(
-        ModelSettings(model=tiny_model, dtype="bfloat16", prefill_dtype="bfloat16"),
+        ModelSettings(model=tiny_model, dtype="bfloat16", prefill_dtype="bfloat16", native_kernels="off"),
         LimitSettings(max_batch_size=2),
         lambda _: None,
     )

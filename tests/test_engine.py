@@ -13,6 +13,7 @@ from PIL import Image
 
 import vlserve.loader
 from conftest import run_tool
+from vlserve import native
 from vlserve.engine import Engine, ImageInput
 from vlserve.errors import ContextLengthExceeded, RequestTimeout
 from vlserve.packing import PREFILL_ROWS, PackedBf16Weight, PackedGroup, PackedLinear, packing_supported
@@ -43,6 +44,14 @@ class Collect:
     def wait(self):
         assert self.done.wait(60), "no answer in 60 s"
         return self
+
+
+@pytest.fixture
+def stock_kernels(monkeypatch):
+    """A process whose workers run torch's kernels only (`native_kernels: off`, or no compiler): where
+    vlserve's bfloat16 product loads, the exact level leaves the packed layout for it (test_native)."""
+    monkeypatch.setattr(native, "_state", native._State())
+    return "off"
 
 
 def image(color, size):
@@ -206,14 +215,20 @@ def test_context_limit(engine):
 
 
 @pytest.mark.skipif(not packing_supported(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernels")
-def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path):
+def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path, stock_kernels):
     """Packing changes the weights' layout, not the math: same greedy tokens, logits equal to bf16 rounding."""
     directory = tmp_path / "tiny-bf16"
     assert run_tool("vlserve", "make-test-model", str(directory)).returncode == 0
     engines = {}
     for packed in (False, True):
         engines[packed] = Engine(
-            ModelSettings(model=directory, dtype="bfloat16", packed_weights=packed, prefill_dtype="bfloat16"),
+            ModelSettings(
+                model=directory,
+                dtype="bfloat16",
+                packed_weights=packed,
+                prefill_dtype="bfloat16",
+                native_kernels=stock_kernels,
+            ),
             LimitSettings(max_batch_size=4, max_context_tokens=1024, request_timeout_s=30),
         )
         engines[packed].load()
@@ -295,14 +310,20 @@ def test_prompt_sized_products_run_on_the_float32_copy_once_it_is_made():
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
-def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path, packed):
+def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path, packed, stock_kernels):
     """Packed (oneDNN bf16) or plain bfloat16 layers (CPUs without AVX-512 BF16): the same copies for prompts."""
     if packed and not packing_supported(torch.bfloat16):
         pytest.skip("this CPU has no oneDNN bf16 kernels")
     directory = tmp_path / "tiny-bf16"
     assert run_tool("vlserve", "make-test-model", str(directory)).returncode == 0
     engine = Engine(
-        ModelSettings(model=directory, dtype="bfloat16", packed_weights=packed, prefill_dtype="float32"),
+        ModelSettings(
+            model=directory,
+            dtype="bfloat16",
+            packed_weights=packed,
+            prefill_dtype="float32",
+            native_kernels=stock_kernels,
+        ),
         LimitSettings(max_batch_size=2, max_context_tokens=1024, request_timeout_s=30),
     )
     engine.load()

@@ -26,6 +26,8 @@ from vlserve.weightcache import WeightCache
 CPU_REASON = native.cpu_reason()
 stock_rotary = decoderops._stock_rotary  # transformers' function, whatever a loaded worker replaced it with
 needs_vnni = pytest.mark.skipif(CPU_REASON is not None, reason="the kernel cannot run here: %s" % CPU_REASON)
+HAS_BF16 = CPU_REASON is None and native.BF16_FLAG in (native._cpu_flags() or [])
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="the bfloat16 kernel needs AVX-512 VNNI and BF16")
 
 
 @pytest.fixture
@@ -54,7 +56,7 @@ def loaded(fresh_state):
     if CPU_REASON is not None:
         pytest.skip("the kernels cannot run here: %s" % CPU_REASON)
     status = native.enable(pathlib.Path(NATIVE_KERNELS))
-    assert status.startswith("vlserve's decode kernels (int8/int4 products, norm, rotary, attention) "), status
+    assert re.match(r"vlserve's decode kernels \((bf16/)?int8/int4 products, norm, rotary, attention\) ", status)
 
 
 def stock(weight: Int8Weight, rows: torch.Tensor) -> torch.Tensor:
@@ -119,6 +121,88 @@ def test_an_int8_weight_uses_the_kernel_for_decode_rows_only(loaded, monkeypatch
         weight.matmul(torch.randn(rows, 128))
     Int8Weight(torch.randn(32, 96)).matmul(torch.randn(1, 96))
     assert calls == [(1, 128), (4, 128)]
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", [(5, 64), (4099, 2048), (12, 6144)])
+def test_the_bf16_kernel_is_the_exact_sum_rounded_once(ops, shape):
+    """1-4 rows, with and without a bias, outputs not a multiple of its tile of four: the float64 sum
+    of the same bfloat16 values within one bfloat16 rounding, plus float32's accumulation error."""
+    torch.manual_seed(sum(shape))
+    outputs, inputs = shape
+    weight = (torch.randn(outputs, inputs) * torch.rand(outputs, 1)).bfloat16()
+    for bias in (None, torch.randn(outputs).bfloat16()):
+        for rows in range(1, native.MAX_ROWS + 1):
+            x = (torch.randn(rows, inputs) * torch.logspace(-2, 2, rows)[:, None]).bfloat16()
+            exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+            magnitude = x.double().abs() @ weight.double().abs().t()
+            got = ops.bf16_linear(x, weight, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
+            error = (got.double() - exact).abs()
+            assert torch.all(error <= exact.abs() * 2.0**-8 + magnitude * 2.0**-16 + 1e-30), float(error.max())
+
+
+@needs_bf16
+def test_the_bf16_kernel_refuses_what_it_cannot_multiply(ops):
+    weight = torch.randn(8, 64).bfloat16()
+    for x, w, why in (
+        (torch.randn(5, 64).bfloat16(), weight, "1 to 4 rows"),
+        (torch.randn(1, 64), weight, "rows must be bfloat16"),
+        (torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), "multiples of 32"),
+        (torch.randn(1, 64).bfloat16(), torch.randn(64, 8).bfloat16().t(), "contiguous bfloat16"),
+    ):
+        with pytest.raises(RuntimeError, match=why):
+            ops.bf16_linear(x, w, None)
+
+
+def _greedy_decode(model, steps: int = 16) -> tuple[list[int], torch.Tensor]:
+    """A prompt, then `steps` one-row decode steps on a growing cache, as the engine runs them."""
+    from vlserve.bench.decode import new_cache  # noqa: PLC0415
+
+    cache = new_cache(model.config.text_config.num_hidden_layers)
+    tokens, logits = [], []
+    with torch.inference_mode():
+        out = model(input_ids=torch.arange(100, 130)[None], cache=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            tokens.append(int(token))
+            logits.append(out.logits[0, -1].float())
+            out = model(input_ids=token, cache=out.cache, use_cache=True, logits_to_keep=1)
+    return tokens, torch.stack(logits)
+
+
+@needs_bf16
+def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(tiny_model, monkeypatch):
+    """Where the plan packs bfloat16 weights and the kernel loads, the exact level keeps them plain for
+    it: its decode rows go through the kernel, prompts through oneDNN, and the greedy tokens are the
+    packed worker's, before its after-ready steps and after them (owned weights, no view of the map)."""
+    from vlserve.packing import NativeBf16Weight, PackedBf16Weight  # noqa: PLC0415
+
+    def load(kernels: str):
+        monkeypatch.setattr(native, "_state", native._State())
+        choices = {"quantize": "none", "dtype": "bfloat16", "packed_weights": True, "warmup": False}
+        settings = ModelSettings(model=tiny_model, native_kernels=kernels, **choices)
+        return load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
+
+    packed = load("off")
+    assert packed.packed and isinstance(packed.model.lm_head.stored, PackedBf16Weight)
+    packed.settle()
+    expected, expected_logits = _greedy_decode(packed.model)
+
+    own = load(NATIVE_KERNELS)
+    assert own.packed and own.quantize == "none"  # the plan's choice, in the own product's layout
+    weights = {id(m.stored): m.stored for m in own.model.modules() if hasattr(m, "stored")}
+    assert weights and all(isinstance(w, NativeBf16Weight) for w in weights.values())
+    calls = []
+    for weight in weights.values():
+        monkeypatch.setattr(weight, "op", lambda x, w, b, op=weight.op: (calls.append(x.shape[0]), op(x, w, b))[1])
+    assert _greedy_decode(own.model)[0] == expected  # on views of the checkpoint
+    assert calls and set(calls) == {1}  # decode rows only: the 30-row prompt went to oneDNN
+    own.settle()
+    assert all(w.weight is not None and w.parts is None for w in weights.values())
+    tokens, logits = _greedy_decode(own.model)
+    assert tokens == expected
+    assert torch.allclose(logits, expected_logits, rtol=0.05, atol=0.05 * float(expected_logits.abs().max()))
 
 
 def test_a_second_build_loads_the_first_and_a_new_source_builds_anew(tmp_path, monkeypatch):

@@ -204,25 +204,37 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         map_copies = checkpoint_copy_steps(network, load_dtype)
         log.info("quantized %d linear layers to %s (prompts in %s)", count, level, prefill_dtype)
     else:
-        packed = choices.packed and packing_supported(network.dtype)
-        if choices.packed and not packed:
+        # Where the plan packs bfloat16 weights and vlserve's own bfloat16 product loads, the weights
+        # stay plain for it instead: it decodes at the memory's speed where oneDNN's one-row products
+        # on AMX swing (vlserve/native.py), and prompts still run on oneDNN. Same memory as packed.
+        own = False
+        if choices.packed and network.dtype == torch.bfloat16 and packing_supported(network.dtype):
+            status("loading vlserve's decode kernels (built once per host)")
+            native.enable(model.native_kernel_root())
+            own = native.bf16_linear() is not None
+        packed = not own and choices.packed and packing_supported(network.dtype)
+        if choices.packed and not (packed or own):
             log.warning("packed %s weights are not available on this CPU: decoding from plain weights", choices.dtype)
         # A bfloat16 model whose prompts want a float32 copy keeps its layers in the service's own
         # linear layers even unpacked (CPUs without oneDNN's bf16 kernels, docs/sizing.md).
         plain_with_copy = network.dtype == torch.bfloat16 and prefill_dtype == "float32"
-        if packed or plain_with_copy:
+        if packed or own or plain_with_copy:
             status("packing weights for oneDNN" if packed else "taking the weights out of the checkpoint")
             count = pack_language_model(
                 network,
                 vision_dtype=getattr(torch, vision_dtype),
                 prefill_dtype=getattr(torch, prefill_dtype),
                 packed=packed,
+                native=own,
                 prepared=prepared,
                 defer_layouts=True,
             )
+            if own:
+                decoderops.use_for(network)
             prefill_copies = pending_prefill_copies(network)
             map_copies = checkpoint_copy_steps(network, load_dtype)
-            log.info("%s %d linear layers (prompts in %s)", "packed" if packed else "took", count, prefill_dtype)
+            how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
+            log.info("%s %d linear layers (prompts in %s)", how, count, prefill_dtype)
         else:
             convert_vision_tower(network, getattr(torch, vision_dtype), prepared, defer_layouts=True)
             if prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
@@ -230,6 +242,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
                 prefill_copies = pending_prefill_copies(network)
             else:
                 prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
+        packed = packed or own  # the plan's choice, taken: the weights in a decode kernel's layout
     if cache is not None:
         cache.write(prepared)  # only when something was rounded here
     tokenizer = processor.tokenizer

@@ -1,7 +1,8 @@
 """The language model's linear layers in the service's own layer, whose weight lives in a kernel's
-layout: oneDNN-packed bfloat16 (below), plain bfloat16 (`PlainWeight`, CPUs without AVX-512 BF16),
-or int8 / int4 at the policy's quantize levels (vlserve/quantized.py). Every format shares the fused
-projections and the prompt copies described here.
+layout: oneDNN-packed bfloat16 (below), plain bfloat16 for vlserve's own decode product
+(`NativeBf16Weight`, where that loads: it replaces the packed layout), plain bfloat16 (`PlainWeight`,
+CPUs without AVX-512 BF16), or int8 / int4 at the policy's quantize levels (vlserve/quantized.py).
+Every format shares the fused projections and the prompt copies described here.
 
 Decoding one token is a chain of matrix-vector products that read every weight once, so its speed is
 the speed at which those reads go. torch's default bf16 `F.linear` reaches about 15 GB/s on this
@@ -42,6 +43,7 @@ from collections.abc import Callable
 
 import torch
 
+from vlserve import native
 from vlserve.quantized import INT8_PREFILL_ROWS, Int4Weight, Int8Weight, quantize_vision_tower, whole
 
 # Sibling projections of one input in Qwen3-VL's decoder layers (attention; MLP), packed together.
@@ -100,6 +102,54 @@ class PackedBf16Weight:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         out = torch.cat([torch.nn.functional.linear(rows, part) for part in self.parts], dim=-1)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class NativeBf16Weight:
+    """A bfloat16 weight in its plain (out, in) layout whose decode steps (1-4 rows) go through
+    vlserve's own AVX-512 BF16 product (vlserve.native), prompts through `F.linear` (oneDNN: AMX where
+    the CPU has it). On AMX CPUs oneDNN's one-row products on the packed layout swing between about
+    9 and 20 GB/s; the own product holds the memory's speed (vlserve/native.py has the figures).
+
+    Like `PackedBf16Weight` it starts on views of the checkpoint's map (`prepack=False`) and
+    `finish_layout`, after ready, makes it one owned matrix (fused members concatenated)."""
+
+    dtype = torch.bfloat16
+
+    def __init__(
+        self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None, *, prepack: bool = True
+    ):
+        self.op = native.bf16_linear()
+        if self.op is None:
+            raise RuntimeError("vlserve's bfloat16 product is not loaded")
+        self.parts: list[torch.Tensor] | None = [w.detach() for w in (weight if isinstance(weight, list) else [weight])]
+        self.weight: torch.Tensor | None = None
+        self.bias = None if bias is None else bias.detach().clone()
+        self.native_rows = native.MAX_ROWS if self.parts[0].shape[1] % native.BF16_INPUT_MULTIPLE == 0 else 0
+        if prepack:
+            self.finish_layout()
+
+    @property
+    def layout_pending(self) -> bool:
+        return self.weight is None
+
+    def finish_layout(self) -> None:
+        if self.weight is None:
+            parts = self.parts
+            self.weight, self.parts = (torch.cat(parts) if len(parts) > 1 else parts[0].clone()), None
+
+    @property
+    def nbytes(self) -> int:
+        stored = [self.weight] if self.weight is not None else self.parts
+        return sum(t.nbytes for t in stored) + (0 if self.bias is None else self.bias.nbytes)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        weights = [self.weight] if self.weight is not None else self.parts
+        if rows.shape[0] <= self.native_rows and rows.dtype == torch.bfloat16:
+            outs = [self.op(rows, weight, None) for weight in weights]
+        else:
+            outs = [torch.nn.functional.linear(rows, weight) for weight in weights]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -226,10 +276,13 @@ class PackedLinear(torch.nn.Module):
         )
 
 
-def weight_formats(level: str, packed: bool = True) -> tuple[Callable, Callable | None]:
-    """(decoder layers', output head's) weight makers for a quantize level; at none, oneDNN-packed
-    bfloat16 or (`packed` False) plain weights, where the tied head stays the embedding's (None)."""
+def weight_formats(level: str, packed: bool = True, native: bool = False) -> tuple[Callable, Callable | None]:
+    """(decoder layers', output head's) weight makers for a quantize level; at none, plain bfloat16 for
+    vlserve's own product (`native`), else oneDNN-packed bfloat16 or (`packed` False) plain weights,
+    where the tied head stays the embedding's (None)."""
     if level == "none":
+        if native:
+            return NativeBf16Weight, NativeBf16Weight
         return (PackedBf16Weight, PackedBf16Weight) if packed else (PlainWeight, None)
     head = Int8Weight  # int4 keeps the output head in int8, as llama.cpp's Q4_K_M keeps it wider
     if level == "int8":
@@ -246,12 +299,13 @@ def pack_language_model(
     *,
     level: str = "none",
     packed: bool = True,
+    native: bool = False,
     prepared=None,
     defer_layouts: bool = False,
 ) -> int:
     """Put every linear layer of the text decoder and the output head in the layout of `level`
-    (none: oneDNN-packed bfloat16, or plain weights where `packed` is False; int8; int4); returns how
-    many layers were converted.
+    (none: oneDNN-packed bfloat16, plain weights where `packed` is False, plain ones for vlserve's own
+    bfloat16 product where `native`; int8; int4); returns how many layers were converted.
 
     `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower is not packed: it runs
     once per image on hundreds of rows at a time, where the plain kernels are already compute-bound;
@@ -264,7 +318,7 @@ def pack_language_model(
     `defer_layouts`: leave oneDNN's reorders to `layout_steps` (the worker runs them after ready).
     """
     convert_vision_tower(model, vision_dtype, prepared, defer_layouts)
-    decoder_weight, head_weight = weight_formats(level, packed)
+    decoder_weight, head_weight = weight_formats(level, packed, native)
 
     def maker(fmt: Callable, name: str) -> Callable:
         make = functools.partial(fmt, prepack=False) if defer_layouts and hasattr(fmt, "finish_layout") else fmt

@@ -84,8 +84,9 @@ class ModelSettings(BaseSettings):
     )
     packed_weights: bool | None = Field(
         None,
-        description="in bfloat16, pack the language model's linear weights for oneDNN at load "
-        "(decode about a fifth faster; the tied output head gets its own copy, +0.6 GB); "
+        description="in bfloat16, lay the language model's linear weights out for a decode kernel at load: "
+        "vlserve's bfloat16 product (plain, fused; where it loads) or oneDNN's packed layout (decode about a "
+        "fifth faster than plain F.linear; the tied output head gets its own copy, +0.6 GB); "
         "unset: as the sizing plan for this process decides",
     )
     warmup: bool = Field(True, description="run one request through the model before reporting ready")

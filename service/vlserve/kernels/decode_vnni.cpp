@@ -1,4 +1,4 @@
-// vlserve's decode products: the int8 and int4 levels' weights times the few rows of a decode step.
+// vlserve's decode products: each level's weights times the few rows of a decode step.
 //
 // A decode step multiplies a few rows by every weight of the model once, so its speed is the speed
 // at which the weights stream from memory. torch's stock kernels do not reach it on one row: oneDNN's
@@ -28,6 +28,13 @@
 // Both take float32 or bfloat16 rows and return the rows' dtype (bfloat16 rounded from the float32
 // result): a decode step converts nothing around them.
 //
+// bf16_linear: the exact level's weights, plain (out, in) bfloat16, times 1-4 bfloat16 rows through
+// vdpbf16ps (AVX-512 BF16: 32 products a instruction, float32 sums), rounded to bfloat16 once. On
+// CPUs with AMX, oneDNN runs such one-row products on AMX tiles and its speed swings between about
+// 9 and 20 GB/s from one call to the next; streamed as the int8 product is, they hold the memory's
+// read speed. The sums add in another order than oneDNN's, so a result may differ from its by a
+// rounding of bfloat16.
+//
 // rms_norm, rotary and one_query_attention: the decoder layer's small operations, each one call
 // instead of the 8 (norm), 12 (rotary on a query and a key) and ~13 (attention) that transformers'
 // Qwen3-VL modules and vlserve.attention dispatch, with the same roundings: the norm in float32,
@@ -38,7 +45,7 @@
 //
 // Every function that uses AVX-512 is compiled for it through a target attribute, the rest of the
 // file for the baseline ISA: the library loads on any x86-64 CPU, and vlserve.native calls it only
-// where the CPU has AVX-512 VNNI.
+// where the CPU has AVX-512 VNNI (and bf16_linear only where it has AVX-512 BF16 too).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_softmax.h>
@@ -57,7 +64,8 @@
 namespace {
 constexpr int64_t kChunk = 64;   // input bytes per vpdpbusd
 constexpr int64_t kOutTile = 4;  // weight rows streamed together by one thread
-constexpr int64_t kMaxRows = 4;  // int8_linear's rows per call: a decode batch of up to four sequences
+constexpr int64_t kMaxRows = 4;  // int8_linear's and bf16_linear's rows per call: a decode batch of up to four
+constexpr int64_t kBf16Chunk = 32;  // bfloat16 inputs per vdpbf16ps
 constexpr int64_t kGroup = 32;   // int4: inputs per scale and low value, and per input scale
 constexpr int64_t kBlock = 16;   // int4: outputs per tile
 constexpr int64_t kTiles = 4;    // int4: tiles per block (64 outputs), read as one stream
@@ -299,6 +307,84 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blocks) {
   if (x.scalar_type() == at::kBFloat16) return int4_rows<at::BFloat16>(x.contiguous(), blocks);
   return int4_rows<float>(x.to(at::kFloat).contiguous(), blocks);
 }
+// bf16 ---------------------------------------------------------------------------------------------
+
+// Outputs n0..n1 of M bfloat16 rows.
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_outputs(const at::BFloat16* w, int64_t k,
+                                                                          int64_t n0, int64_t n1,
+                                                                          const at::BFloat16* x, const float* bias,
+                                                                          at::BFloat16* out, int64_t ldo) {
+  const int64_t chunks = k / kBf16Chunk;
+  int64_t n = n0;
+  for (; n + kOutTile <= n1; n += kOutTile) {
+    __m512 acc[kOutTile][M];
+    for (int t = 0; t < kOutTile; ++t)
+      for (int r = 0; r < M; ++r) acc[t][r] = _mm512_setzero_ps();
+    const at::BFloat16* base = w + n * k;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512bh xs[M];
+      for (int r = 0; r < M; ++r) xs[r] = (__m512bh)_mm512_loadu_si512(x + r * k + c * kBf16Chunk);
+      for (int t = 0; t < kOutTile; ++t) {
+        const at::BFloat16* p = base + t * k + c * kBf16Chunk;
+        _mm_prefetch((const char*)p + 1024, _MM_HINT_T0);
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(p);
+        for (int r = 0; r < M; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xs[r], v);
+      }
+    }
+    for (int t = 0; t < kOutTile; ++t)
+      for (int r = 0; r < M; ++r) {
+        const float y = _mm512_reduce_add_ps(acc[t][r]);
+        out[r * ldo + n + t] = at::BFloat16(bias ? y + bias[n + t] : y);
+      }
+  }
+  for (; n < n1; ++n) {
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(w + n * k + c * kBf16Chunk);
+      for (int r = 0; r < M; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + r * k + c * kBf16Chunk), v);
+    }
+    for (int r = 0; r < M; ++r) {
+      const float y = _mm512_reduce_add_ps(acc[r]);
+      out[r * ldo + n] = at::BFloat16(bias ? y + bias[n] : y);
+    }
+  }
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "bf16_linear: x must be (rows, in) and weight (out, in)");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bf16_linear: rows must be bfloat16");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.size(1) == k,
+              "bf16_linear: weight must be contiguous bfloat16 of shape (out, ", k, ")");
+  TORCH_CHECK(k % kBf16Chunk == 0, "bf16_linear: inputs must come in multiples of ", kBf16Chunk, ", not ", k);
+  TORCH_CHECK(m >= 1 && m <= kMaxRows, "bf16_linear: 1 to ", kMaxRows, " rows, not ", m);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "bf16_linear: one bias per output");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor rows = x.contiguous();
+  at::Tensor out = at::empty({m, n}, x.options());
+  const at::BFloat16* pw = weight.data_ptr<at::BFloat16>();
+  const at::BFloat16* px = rows.data_ptr<at::BFloat16>();
+  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::BFloat16* po = out.data_ptr<at::BFloat16>();
+  const int64_t tiles = (n + kOutTile - 1) / kOutTile;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * kOutTile, n1 = std::min(n, t1 * kOutTile);
+    switch (m) {
+      case 1: bf16_outputs<1>(pw, k, n0, n1, px, pb, po, n); break;
+      case 2: bf16_outputs<2>(pw, k, n0, n1, px, pb, po, n); break;
+      case 3: bf16_outputs<3>(pw, k, n0, n1, px, pb, po, n); break;
+      default: bf16_outputs<4>(pw, k, n0, n1, px, pb, po, n); break;
+    }
+  });
+  return out;
+}
+
 // transformers' Qwen3VLTextRMSNorm: weight * to_dtype(x * rsqrt(mean(x^2) + eps)), float32 inside.
 template <typename T>
 void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t d, float eps) {
@@ -493,6 +579,7 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& key, const
 TORCH_LIBRARY(vlserve, lib) {
   lib.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor blocks) -> Tensor");
+  lib.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   lib.def("one_query_attention(Tensor q, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
@@ -500,6 +587,7 @@ TORCH_LIBRARY(vlserve, lib) {
 TORCH_LIBRARY_IMPL(vlserve, CPU, lib) {
   lib.impl("int8_linear", int8_linear);
   lib.impl("int4_linear", int4_linear);
+  lib.impl("bf16_linear", bf16_linear);
   lib.impl("rms_norm", rms_norm);
   lib.impl("rotary", rotary);
   lib.impl("one_query_attention", one_query_attention);
