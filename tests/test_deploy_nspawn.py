@@ -19,6 +19,7 @@ from conftest import free_port
 from harness import nspawn
 from harness.playbooks import audit, play, recap
 from sample_images import image_question, png_bytes
+from vlserve import native
 
 REASON = nspawn.available()
 if REASON and os.environ.get("CI"):
@@ -108,6 +109,11 @@ def test_the_workers_follow_the_plan(guest, workdir, deployed, host_vars):
         assert environ["OMP_PLACES"] == worker["environment"]["OMP_PLACES"]
         assert environ["VLSERVE_PORT"] == str(worker["port"])
         assert guest.ssh("ps -o user= -p %s" % pid).stdout.strip() == "vlserve"
+        # The role installed g++ and the first worker built vlserve's kernels inside its hardened unit:
+        # the exact level decodes through the bfloat16 product on CPUs with AVX-512 BF16 (this one's).
+        kernels = httpx.get("http://127.0.0.1:%d/readyz" % worker["port"], timeout=10).json()["kernels"]
+        if plan["model"]["packed_weights"] and native.cpu_reason() is None and native.BF16_FLAG in native._cpu_flags():
+            assert kernels.startswith("vlserve's decode kernels (bf16/") and "/var/cache/vlserve/kernels/" in kernels
 
 
 def test_the_page_and_the_status_through_the_front_show_the_plan_and_which_worker_answered(deployed, host_vars):
@@ -244,9 +250,9 @@ def test_a_killed_worker_is_restarted_and_the_front_routes_around_it(guest, depl
 
 
 def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request(guest, workdir, deployed, host_vars):
-    """int8 on a host that ran exact, as an 8 GB laptop's plan would: the role installs the compiler,
-    each worker comes back with the int8 kernel built inside its hardened unit and its weights
-    rounded into the cache directory, and the other worker answers meanwhile."""
+    """int8 on a host that ran exact, as an 8 GB laptop's plan would: each worker comes back with the
+    int8 kernel (the compiler installed, the kernels built by the first worker, at whatever level)
+    and its weights rounded into the cache directory, and the other worker answers meanwhile."""
     pids = [main_pid(guest, 0), main_pid(guest, 1)]
     client = Client(host_vars)
     client.start()

@@ -88,6 +88,9 @@ def fleet_vars(tiny_model, torch_wheel, **overrides) -> dict:
         "vlserve_facts_min_threads_per_worker": 1,
         "vlserve_facts_max_workers": 1,
         "vlserve_front_check_interval_s": CHECK_INTERVAL_S,
+        # The rollout is under test here, not the kernels (the deploy tier builds them): no compiler
+        # install and build on every host of the fleet.
+        "vlserve_deploy_native_kernels": False,
         **overrides,
     }
 
