@@ -199,7 +199,7 @@ def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(
     assert _greedy_decode(own.model)[0] == expected  # on views of the checkpoint
     assert calls and set(calls) == {1}  # decode rows only: the 30-row prompt went to oneDNN
     own.settle()
-    assert all(w.weight is not None and w.parts is None for w in weights.values())
+    assert all(w.laid_out is not None and w.parts is None for w in weights.values())
     tokens, logits = _greedy_decode(own.model)
     assert tokens == expected
     assert torch.allclose(logits, expected_logits, rtol=0.05, atol=0.05 * float(expected_logits.abs().max()))

@@ -67,12 +67,10 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
-class PackedBf16Weight:
-    """A bfloat16 weight in oneDNN's blocked layout: same math, same outputs as `F.linear`.
-
-    With `prepack=False` it keeps its parts (views of the checkpoint's map, one per fused member) and
-    multiplies them with `F.linear` until `finish_layout` concatenates and reorders them: that takes
-    3-4 s for the whole model here, which the loader leaves to the worker's after-ready steps."""
+class DeferredBf16Weight:
+    """A bfloat16 weight that starts as its checkpoint views (`parts`, one per fused member) and gets
+    its kernel's layout (`lay_out`) from `finish_layout`: at once, or with `prepack=False` in the
+    worker's after-ready steps (`layout_steps`), multiplying from the views until then."""
 
     dtype = torch.bfloat16
 
@@ -80,41 +78,52 @@ class PackedBf16Weight:
         self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None, *, prepack: bool = True
     ):
         self.parts: list[torch.Tensor] | None = [w.detach() for w in (weight if isinstance(weight, list) else [weight])]
-        self.packed: torch.Tensor | None = None
+        self.laid_out: torch.Tensor | None = None
         self.bias = None if bias is None else bias.detach().clone()
         if prepack:
             self.finish_layout()
 
+    def lay_out(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
     @property
     def layout_pending(self) -> bool:
-        return self.packed is None
+        return self.laid_out is None
 
     def finish_layout(self) -> None:
-        if self.packed is None:
-            self.packed, self.parts = _pack(whole(self.parts)), None
+        if self.laid_out is None:
+            self.laid_out, self.parts = self.lay_out(self.parts), None
 
     @property
     def nbytes(self) -> int:
-        stored = [self.packed] if self.packed is not None else self.parts
+        stored = [self.laid_out] if self.laid_out is not None else self.parts
         return sum(t.nbytes for t in stored) + (0 if self.bias is None else self.bias.nbytes)
 
+
+class PackedBf16Weight(DeferredBf16Weight):
+    """A bfloat16 weight in oneDNN's blocked layout: same math, same outputs as `F.linear`. Deferred,
+    it multiplies its parts with `F.linear` until the reorder (3-4 s for the whole model here)."""
+
+    def lay_out(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return _pack(whole(parts))
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        return self.laid_out
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if self.laid_out is not None:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.laid_out, self.bias, "none", [], "")
         out = torch.cat([torch.nn.functional.linear(rows, part) for part in self.parts], dim=-1)
         return out if self.bias is None else out.add_(self.bias)
 
 
-class NativeBf16Weight:
+class NativeBf16Weight(DeferredBf16Weight):
     """A bfloat16 weight in its plain (out, in) layout whose decode steps (1-4 rows) go through
     vlserve's own AVX-512 BF16 product (vlserve.native), prompts through `F.linear` (oneDNN: AMX where
     the CPU has it). On AMX CPUs oneDNN's one-row products on the packed layout swing between about
     9 and 20 GB/s; the own product holds the memory's speed (vlserve/native.py has the figures).
-
-    Like `PackedBf16Weight` it starts on views of the checkpoint's map (`prepack=False`) and
-    `finish_layout`, after ready, makes it one owned matrix (fused members concatenated)."""
-
-    dtype = torch.bfloat16
+    Laid out, it is one owned matrix (fused members concatenated), out of the checkpoint's map."""
 
     def __init__(
         self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None, *, prepack: bool = True
@@ -122,29 +131,15 @@ class NativeBf16Weight:
         self.op = native.bf16_linear()
         if self.op is None:
             raise RuntimeError("vlserve's bfloat16 product is not loaded")
-        self.parts: list[torch.Tensor] | None = [w.detach() for w in (weight if isinstance(weight, list) else [weight])]
-        self.weight: torch.Tensor | None = None
-        self.bias = None if bias is None else bias.detach().clone()
-        self.native_rows = native.MAX_ROWS if self.parts[0].shape[1] % native.BF16_INPUT_MULTIPLE == 0 else 0
-        if prepack:
-            self.finish_layout()
+        inputs = (weight[0] if isinstance(weight, list) else weight).shape[1]
+        self.native_rows = native.MAX_ROWS if inputs % native.BF16_INPUT_MULTIPLE == 0 else 0
+        super().__init__(weight, bias, prepack=prepack)
 
-    @property
-    def layout_pending(self) -> bool:
-        return self.weight is None
-
-    def finish_layout(self) -> None:
-        if self.weight is None:
-            parts = self.parts
-            self.weight, self.parts = (torch.cat(parts) if len(parts) > 1 else parts[0].clone()), None
-
-    @property
-    def nbytes(self) -> int:
-        stored = [self.weight] if self.weight is not None else self.parts
-        return sum(t.nbytes for t in stored) + (0 if self.bias is None else self.bias.nbytes)
+    def lay_out(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        weights = [self.weight] if self.weight is not None else self.parts
+        weights = [self.laid_out] if self.laid_out is not None else self.parts
         if rows.shape[0] <= self.native_rows and rows.dtype == torch.bfloat16:
             outs = [self.op(rows, weight, None) for weight in weights]
         else:
