@@ -3,10 +3,11 @@
 They share this machine's network namespace, each on a loopback address of its own (127.0.1.N:
 sshd, the host's front and its workers all bind there), so nothing but loopback is addressed. In
 order: site.yml over the four hosts serves through the fleet front and a second run changes and
-drains nothing; a changed setting rolls out a canary first, then one host at a time, each drained
-and back before the next, with no failed request of a client looping through the fleet front; a
-broken model on the second host stops the rollout there, the third keeps its old settings and the
-front routes around the drained host; a host that loses power leaves the front within its checks.
+drains nothing (every host converges at once, no batch runs); a changed setting rolls out a canary
+first, then one host at a time, each drained and back before the next, with no failed request of a
+client looping through the fleet front; a broken model on the second host stops the rollout there,
+the third keeps its old settings and the front routes around the drained host; a host that loses
+power leaves the front within its checks.
 """
 
 from __future__ import annotations
@@ -197,6 +198,9 @@ def test_a_second_run_changes_nothing_and_drains_nothing(hosts, workdir, tiny_mo
     assert result.returncode == 0, result.stdout[-6000:]
     assert all(counters["changed"] == 0 for counters in recaps(result).values()), result.stdout[-6000:]
     assert not out_of_service(events), events
+    # Every host converged in the first play, at once: no host rolls out, so no batch runs at all.
+    batches = result.stdout.split("PLAY [Roll out the hosts that change, one batch at a time]", 1)[1]
+    assert batches.split("\n", 2)[1].strip() == "skipping: no hosts matched", batches[:2000]
 
 
 def test_a_changed_setting_rolls_out_canary_first_one_host_at_a_time(hosts, workdir, tiny_model, torch_wheel, deployed):
