@@ -454,15 +454,26 @@ def test_a_quantized_worker_runs_its_norms_and_rotary_through_the_ops(loaded, ti
 
 @needs_vnni
 @pytest.mark.parametrize(
-    ("batch", "tokens", "mask_kind"), [(1, 1, None), (1, 41, None), (4, 300, "bool"), (3, 17, "add")]
+    ("batch", "tokens", "mask_kind", "heads_and_dim"),
+    # Qwen3-VL's shape (16 query heads over 8 key heads of 128) has a path of its own; one query head
+    # a key head, and other head sizes, take the general one.
+    [
+        (1, 1, None, (16, 128)),
+        (1, 41, None, (16, 128)),
+        (4, 300, "bool", (16, 128)),
+        (3, 17, "add", (16, 128)),
+        (2, 23, "bool", (8, 128)),
+        (2, 29, "add", (16, 64)),
+    ],
 )
-def test_the_attention_op_is_the_python_path_within_its_rounding(ops, batch, tokens, mask_kind):
+def test_the_attention_op_is_the_python_path_within_its_rounding(ops, batch, tokens, mask_kind, heads_and_dim):
     """On views of a cache buffer with headroom (as kvcache hands them), left-padded sequences masked.
     Its float32 sums add in another order: where that moves a bfloat16 rounding, by one unit."""
+    heads, dim = heads_and_dim
     torch.manual_seed(tokens)
-    key = torch.randn(batch, 8, tokens + 64, 128).bfloat16()[:, :, :tokens]
-    value = torch.randn(batch, 8, tokens + 64, 128).bfloat16()[:, :, :tokens]
-    query = torch.randn(batch, 1, 16, 128).bfloat16().transpose(1, 2)
+    key = torch.randn(batch, 8, tokens + 64, dim).bfloat16()[:, :, :tokens]
+    value = torch.randn(batch, 8, tokens + 64, dim).bfloat16()[:, :, :tokens]
+    query = torch.randn(batch, 1, heads, dim).bfloat16().transpose(1, 2)
     mask = None
     if mask_kind == "bool":
         mask = torch.ones(batch, 1, 1, tokens, dtype=torch.bool)
@@ -470,8 +481,8 @@ def test_the_attention_op_is_the_python_path_within_its_rounding(ops, batch, tok
     elif mask_kind == "add":
         mask = torch.zeros(batch, 1, 1, tokens)
         mask[0, ..., :3] = float("-inf")
-    expected = attention.one_query_attention(query, key, value, mask, scaling=128**-0.5)
-    got = ops.one_query_attention(query, key, value, mask, 128**-0.5)
+    expected = attention.one_query_attention(query, key, value, mask, scaling=dim**-0.5)
+    got = ops.one_query_attention(query, key, value, mask, dim**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
     assert (got == expected).float().mean() > 0.98
