@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import socket
@@ -152,3 +153,19 @@ def test_bad_settings_are_refused_with_the_field_name():
     result = run_tool("vlserve", "serve", "--max-pixels", "10", "--model", "/tmp")
     assert result.returncode == 2
     assert "max_pixels" in result.stderr
+
+
+def test_the_start_collects_nothing_while_importing_and_collects_again_after_even_on_failure():
+    from vlserve.cli import _collecting_nothing  # noqa: PLC0415
+
+    frozen = gc.get_freeze_count()
+    try:
+        with pytest.raises(ImportError), _collecting_nothing():
+            assert not gc.isenabled()
+            kept = [[] for _ in range(1000)]  # objects built while importing: frozen with the rest
+            import vlserve_no_such_module  # noqa: F401, PLC0415
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen + len(kept)
+    finally:
+        gc.unfreeze()
+        gc.enable()

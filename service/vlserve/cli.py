@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import logging
 import pathlib
@@ -142,6 +144,19 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             _settings_flag(group, name, info)
 
 
+@contextlib.contextmanager
+def _collecting_nothing() -> typing.Iterator[None]:
+    """No cyclic collections while the worker imports torch and transformers: their 630,000 objects
+    live as long as the process, and collections walking them again and again took 0.4-1.5 s of a
+    5-8 s start (docs/benchmarks.md). Frozen after, later collections skip them."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import pydantic  # noqa: PLC0415
 
@@ -157,9 +172,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     settings = Settings(*parts)
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
-    from vlserve.loader import check_model_directory  # noqa: PLC0415
+    with _collecting_nothing():
+        import uvicorn  # noqa: PLC0415
 
+        from vlserve.app import create_app  # noqa: PLC0415
+        from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
+        from vlserve.loader import check_model_directory  # noqa: PLC0415
     try:
         check_model_directory(settings.model.model)
     except ModelDirectoryError as error:
@@ -168,10 +186,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         notify.status("cannot start: %s" % error)
         return 1
-    import uvicorn  # noqa: PLC0415
-
-    from vlserve.app import create_app  # noqa: PLC0415
-
     holder: dict = {}
     app = create_app(settings, on_fatal=lambda message: setattr(holder["server"], "should_exit", True))
     config = uvicorn.Config(
