@@ -76,6 +76,29 @@ def engine(tmp_path_factory):
     engine.shutdown()
 
 
+def test_the_warm_up_runs_the_model_on_one_image_s_tokens_only(engine, monkeypatch):
+    """Every stage (vision encoder, prefill, decode) but a three-row prompt: a start's cheapest full request."""
+    submitted = []
+    original = engine.submit
+
+    def recording(prompt, params, sink, **kwargs):
+        submitted.append((prompt, kwargs))
+        return original(prompt, params, sink, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", recording)
+    try:
+        engine.warmup()  # waits for the answer and raises if the model failed
+    finally:
+        engine.mark_ready()
+    ((prompt, kwargs),) = submitted
+    processor, ids = engine.processor, prompt.input_ids.tolist()
+    assert kwargs == {"use_caches": False, "warmup": True}
+    assert ids[0] == processor.vision_start_token_id and ids[-1] == processor.vision_end_token_id
+    merged = int(prompt.image_grid_thw.prod()) // processor.image_processor.merge_size**2
+    assert ids[1:-1] == [processor.image_token_id] * merged == [processor.image_token_id]
+    assert prompt.mm_token_type_ids.shape == prompt.input_ids.shape and prompt.pixel_values is not None
+
+
 CONVERSATIONS = [
     [
         {
