@@ -112,8 +112,12 @@ def test_the_workers_follow_the_plan(guest, workdir, deployed, host_vars):
         # The role installed g++ and the first worker built vlserve's kernels inside its hardened unit:
         # the exact level decodes through the bfloat16 product on CPUs with AVX-512 BF16 (this one's).
         kernels = httpx.get("http://127.0.0.1:%d/readyz" % worker["port"], timeout=10).json()["kernels"]
-        if plan["model"]["packed_weights"] and native.cpu_reason() is None and native.BF16_FLAG in native._cpu_flags():
-            assert kernels.startswith("vlserve's decode kernels (bf16/") and "/var/cache/vlserve/kernels/" in kernels
+        bf16_kernel = native.cpu_tier()[0] == "avx512_vnni" and native.BF16_FLAG in native._cpu_flags()
+        if plan["model"]["packed_weights"] and bf16_kernel:
+            assert (
+                kernels.startswith("vlserve's kernels for AVX-512 VNNI (bf16/")
+                and "/var/cache/vlserve/kernels/" in kernels
+            )
 
 
 def test_the_page_and_the_status_through_the_front_show_the_plan_and_which_worker_answered(deployed, host_vars):
@@ -268,8 +272,10 @@ def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request
     for worker in plan["worker_list"]:
         info = httpx.get("http://127.0.0.1:%d/readyz" % worker["port"], timeout=10).json()
         assert info["quantize"] == "int8", info
-        assert "/var/cache/vlserve/kernels/decode_" in info["kernels"], info  # built by one, loaded by the other
-    assert "-int8.safetensors" in guest.ssh("ls /var/cache/vlserve/weights").stdout
+        # built by one worker, loaded by the other
+        assert "/var/cache/vlserve/kernels/vlserve_kernels-" in info["kernels"], info
+    # The Q8_0 tiles of the kernels loaded above, in their own file (vlserve/weightcache.py).
+    assert "-int8-q8tiles.safetensors" in guest.ssh("ls /var/cache/vlserve/weights").stdout
     assert ask(host_vars).status_code == 200
 
 

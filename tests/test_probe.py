@@ -17,6 +17,10 @@ def live():
     return sizing.probe()
 
 
+def lscpu_flags() -> set[str]:
+    return set(subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.split())
+
+
 def lscpu_rows():
     out = subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET,NODE"], capture_output=True, text=True, check=True).stdout
     rows = []
@@ -48,9 +52,21 @@ def test_live_probe_agrees_with_lscpu(live):
     for cpu, _, socket, node in rows:
         entry = next(e for e in live["cpu"]["topology"] if e["cpu"] == cpu)
         assert (entry["package"], entry["node"]) == (socket, node)
-    flags = set(subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.split())
+    flags = lscpu_flags()
+    held = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"  # the suite held to AVX2
     for name, present in live["cpu"]["isa"].items():
-        assert present == (name in flags), name
+        assert present == (name in flags and not (held and name.startswith(("avx512", "amx")))), name
+
+
+def test_torch_held_to_avx2_holds_the_plan_there_too(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 (an operator's hold, or an AVX2 host imitated): the probe reports no ISA
+    above AVX2, so the plan never counts on bfloat16 packing or the AVX-512 tier torch will not run."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    held = sizing.probe(use_libraries=False)
+    assert not any(v for k, v in held["cpu"]["isa"].items() if k.startswith(("avx512", "amx")))
+    assert held["cpu"]["isa"]["avx2"] == ("avx2" in lscpu_flags())
+    if any(f.startswith(("avx512", "amx")) for f in lscpu_flags()):
+        assert held["sources"]["isa"].endswith("held to AVX2 by ATEN_CPU_CAPABILITY")
 
 
 def test_live_probe_agrees_with_proc_meminfo(live):

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
 from transformers import Qwen3VLForConditionalGeneration
 
-from conftest import run_tool
+from conftest import NATIVE_KERNELS, run_tool
 from vlserve import native, quantized
 from vlserve.packing import PackedLinear, packing_supported
 from vlserve.quantized import (
     INT4_GROUP,
     INT8_PREFILL_ROWS,
+    Q8_BLOCK,
     Int4Weight,
     Int8Linear,
     Int8Weight,
     PromptInt8Linear,
+    q8_reference,
+    q8_tiles,
+    q8_untiled,
+    quantize_blocks,
     quantize_rows,
     quantize_vision_tower,
-    shifted_rows,
 )
 
 
@@ -38,61 +43,94 @@ def test_rows_are_quantized_to_within_half_a_step_and_zero_rows_stay_zero():
     assert torch.equal(values[3], torch.zeros(300, dtype=torch.int8))
 
 
+def test_a_channel_far_larger_than_the_rest_coarsens_its_own_block_of_32_only():
+    """Blocks of 32 (llama.cpp's Q8_0): every block within half of its own step, zero blocks zero, and an
+    outlier channel 1000 times the rest leaves the other blocks as fine as without it, where one scale
+    per row rounds them all to nothing."""
+    torch.manual_seed(0)
+    rows = torch.randn(3, 4 * Q8_BLOCK)
+    rows[1, Q8_BLOCK : 2 * Q8_BLOCK] = 0
+    rows[2, 5] *= 1000
+    values, scales = quantize_blocks(rows)
+    assert values.dtype == torch.int8 and scales.shape == (3, 4) and values.abs().max() <= 127
+    blocks = rows.reshape(3, 4, Q8_BLOCK)
+    rounded = values.float().reshape(3, 4, Q8_BLOCK) * scales[..., None]
+    assert torch.all((rounded - blocks).abs() <= scales[..., None] / 2 * (1 + 1e-6))
+    assert scales[1, 1] == 0 and torch.equal(
+        values[1, Q8_BLOCK : 2 * Q8_BLOCK], torch.zeros(Q8_BLOCK, dtype=torch.int8)
+    )
+    others = slice(Q8_BLOCK, None)  # row 2 past the outlier's block
+    assert relative_error(rounded.reshape(3, -1)[2, others], rows[2, others]) < 0.01
+    per_row = quantize_rows(rows[2:])[0].float() * quantize_rows(rows[2:])[1][:, None]
+    assert relative_error(per_row[0, others], rows[2, others]) > 0.5
+    # fp16 scales, as weights keep them: the values are rounded against the stored scale.
+    values16, scales16 = quantize_blocks(rows, torch.float16)
+    assert scales16.dtype == torch.float16
+    assert torch.all((values16.float().reshape(3, 4, Q8_BLOCK) * scales16.float()[..., None] - blocks).abs()
+                     <= scales16.float()[..., None] / 2 * (1 + 1e-3))  # fmt: skip
+
+
+@pytest.mark.parametrize("outputs", [16, 40, 5])
+def test_the_tiles_hold_every_output_s_values_and_scales(outputs):
+    torch.manual_seed(outputs)
+    values, scales = quantize_blocks(torch.randn(outputs, 3 * Q8_BLOCK), torch.float16)
+    tiles = q8_tiles(values, scales)
+    assert tiles.dtype == torch.uint8 and tiles.shape == (-(-outputs // 16), 3 * 544)
+    back_values, back_scales = q8_untiled(tiles, outputs)
+    assert torch.equal(back_values, values) and torch.equal(back_scales, scales)
+
+
 @pytest.fixture(autouse=True)
 def stock_kernels(monkeypatch):
-    """torch's kernels only: vlserve's own (native.py), loaded by any earlier test of the process, has its
-    tests in test_native.py."""
+    """No kernels loaded unless a test asks for them: each test sees a process that has not loaded them."""
     monkeypatch.setattr(native, "_state", native._State())
 
 
-@pytest.fixture(params=["onednn", "weight_int8pack_mm"])
-def int8_backend(request, monkeypatch):
-    """Both stock int8 products: oneDNN's prepacked one, and torch's weight-only one where oneDNN is missing."""
-    if request.param == "onednn" and not quantized.onednn_int8_supported():
-        pytest.skip("this torch build has no oneDNN int8 products")
-    if request.param != "onednn":
-        monkeypatch.setattr(quantized, "onednn_int8_supported", lambda: False)
+TIER, TIER_WHY = native.cpu_tier()
+
+
+@pytest.fixture(params=["kernels", "weight-only"])
+def int8_backend(request):
+    """Both int8 products: vlserve's kernels at this CPU's tier (Q8_0, inputs rounded per block), and
+    torch's weight-only product where they cannot load (one scale per row, exact inputs)."""
+    if request.param == "kernels":
+        if TIER is None:
+            pytest.skip("vlserve's kernels cannot run here: %s" % TIER_WHY)
+        assert native.enable(pathlib.Path(NATIVE_KERNELS)).startswith("vlserve's kernels for")
+        assert native.int8_layout() == "q8tiles"
     return request.param
 
 
-def test_the_int8_product_is_the_integer_product_rescaled(int8_backend):
+def test_the_int8_product_is_its_reference(int8_backend):
     torch.manual_seed(1)
     weight, bias, rows = torch.randn(48, 96), torch.randn(48), torch.randn(20, 96) * 3
     layer = Int8Weight(weight, bias)
-    assert (layer.packed is not None) == (int8_backend == "onednn")
-    q_weight, weight_scales = quantize_rows(weight)
-    assert torch.allclose(layer.dequantized(), q_weight.float() * weight_scales[:, None], rtol=1e-6, atol=0)
-    if int8_backend == "onednn":  # inputs rounded per row too, integer sums exact
-        q_rows, row_scales = quantize_rows(rows)
-        exact = (q_rows.long() @ q_weight.long().t()).double() * row_scales.double()[:, None] * weight_scales.double()
-    else:  # exact inputs
-        exact = rows.double() @ layer.dequantized().double().t()
-    assert torch.allclose(layer.matmul(rows).double(), exact + bias.double(), rtol=1e-5, atol=1e-5)
-    # And close to the float product: 255 levels per row give well under 2% on Gaussian data.
+    assert (layer.tiles is not None) == (int8_backend == "kernels")
+    if int8_backend == "kernels":  # Q8_0 weights, inputs rounded per block, integer sums exact
+        values, scales = quantize_blocks(weight, torch.float16)
+        assert torch.equal(
+            layer.dequantized(), (values.float().reshape(48, 3, 32) * scales.float()[..., None]).reshape(48, 96)
+        )
+        expected = q8_reference(rows, values, scales, bias)
+    else:  # one scale per row, exact inputs
+        values, scales = quantize_rows(weight)
+        assert torch.allclose(layer.dequantized(), values.float() * scales[:, None], rtol=1e-6, atol=0)
+        expected = rows.double() @ layer.dequantized().double().t() + bias.double()
+    assert torch.allclose(layer.matmul(rows).double(), expected, rtol=1e-5, atol=1e-5)
+    # And close to the float product: 255 levels per block or row give well under 2% on Gaussian data.
     assert relative_error(layer.matmul(rows), rows @ weight.t() + bias) < 0.02
 
 
-def test_an_int8_weight_left_in_its_plain_layout_gives_the_same_products_before_and_after_it(int8_backend):
-    """The loader leaves oneDNN's reorder to after ready: until then `torch._int_mm` multiplies the plain
-    values (the same integer sums), and a weight from the cache (`from_tensors`) is the same weight."""
+def test_an_int8_weight_from_its_tensors_is_the_same_weight(int8_backend):
+    """The weight cache maps `tensors()` back (`from_tensors`): the same products, not a copy."""
     torch.manual_seed(2)
-    weight, bias = torch.randn(48, 96), torch.randn(48)
-    ready = Int8Weight(weight, bias)
-    deferred = Int8Weight(weight, bias, prepack=False)
-    mapped = Int8Weight.from_tensors(deferred.tensors())
-    assert deferred.layout_pending == mapped.layout_pending == (int8_backend == "onednn")
-    for rows in (torch.randn(1, 96), torch.randn(20, 96) * 3):
-        before = deferred.matmul(rows)
-        assert torch.equal(mapped.matmul(rows), before)
-        assert torch.allclose(before, ready.matmul(rows), rtol=1e-5, atol=1e-5)
-    for layer in (deferred, mapped):
-        layer.finish_layout()
-        assert not layer.layout_pending
-        assert torch.equal(layer.matmul(rows), ready.matmul(rows))
-    if int8_backend == "onednn":
-        assert deferred.values is None  # the plain values (a view of the cache file) are let go
-        with pytest.raises(ValueError):
-            deferred.tensors()
+    weight, bias = torch.randn(40, 96), torch.randn(40)
+    layer = Int8Weight(weight, bias)
+    mapped = Int8Weight.from_tensors(layer.tensors())
+    assert mapped.shape == layer.shape == (40, 96)
+    for rows in (torch.randn(1, 96), torch.randn(20, 96).bfloat16()):
+        assert torch.equal(mapped.matmul(rows), layer.matmul(rows))
+    assert mapped.nbytes == layer.nbytes
 
 
 def test_an_int4_weight_from_its_tensors_is_the_same_weight():
@@ -105,21 +143,11 @@ def test_an_int4_weight_from_its_tensors_is_the_same_weight():
     assert torch.equal(again.matmul(rows), layer.matmul(rows))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_inputs_are_rounded_for_onednn_exactly_as_quantize_rows_rounds_them(dtype):
-    torch.manual_seed(5)
-    for rows in (torch.randn(1, 256) * 1e-3, torch.randn(7, 256) * 1e3, torch.zeros(2, 256)):
-        shifted, scales = shifted_rows(rows.to(dtype))
-        values, expected = quantize_rows(rows.to(dtype))
-        assert shifted.dtype == torch.uint8 and torch.equal(shifted, (values.to(torch.int16) + 128).to(torch.uint8))
-        assert torch.equal(scales, expected)
-
-
-def test_a_big_weight_is_quantized_in_chunks_with_the_same_result(monkeypatch):
+def test_a_big_weight_is_quantized_in_chunks_with_the_same_result(monkeypatch, int8_backend):
     torch.manual_seed(4)
     weight = torch.randn(304, 64)
     whole = Int8Weight(weight).dequantized(), Int4Weight(weight).dequantized()
-    monkeypatch.setattr(quantized, "QUANTIZE_CHUNK_ROWS", 7)
+    monkeypatch.setattr(quantized, "QUANTIZE_CHUNK_ROWS", 16 if int8_backend == "kernels" else 7)
     assert torch.equal(Int8Weight(weight).dequantized(), whole[0])
     assert torch.equal(Int4Weight(weight).dequantized(), whole[1])
 
@@ -153,7 +181,7 @@ def test_int4_refuses_a_shape_its_layout_cannot_hold(shape):
         Int4Weight(torch.randn(*shape))
 
 
-def test_int8_linear_keeps_shape_and_dtype():
+def test_int8_linear_keeps_shape_and_dtype(int8_backend):
     linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
     out = Int8Linear.from_linear(linear)(torch.randn(2, 7, 64).to(torch.bfloat16))
     assert out.shape == (2, 7, 32) and out.dtype == torch.bfloat16
@@ -166,7 +194,7 @@ def tiny_bf16(tmp_path_factory):
     return directory
 
 
-def test_the_vision_tower_in_int8_stays_close_to_float32(tiny_bf16):
+def test_the_vision_tower_in_int8_stays_close_to_float32(tiny_bf16, int8_backend):
     model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_bf16, dtype=torch.float32).eval()
     grid = torch.tensor([[1, 8, 8]])
     config = model.config.vision_config
@@ -208,20 +236,32 @@ def test_a_float32_layer_runs_prompts_on_its_int8_copy_once_made():
     assert torch.equal(layer(step), plain(step))
 
 
-def test_quant_check_reports_agreement_and_divergence_for_each_level(tiny_bf16, tmp_path):
+def test_quant_check_reports_agreement_divergence_and_where_each_level_ran(tmp_path):
+    """On a checkpoint shaped like real weights (outlier channels in its residual streams): each level's
+    figures, and the ISA tier and kernels it ran on, as vlserve.native would pick them on this CPU."""
+    checkpoint = tmp_path / "tiny-outliers"
+    assert run_tool("vlserve", "make-test-model", str(checkpoint), "--outlier-channels", "4").returncode == 0
     output = tmp_path / "check.json"
     result = run_tool(
-        "vlserve", "quant-check", "--model", str(tiny_bf16), "--prompts", "2", "--answer-tokens", "6",
+        "vlserve", "quant-check", "--model", str(checkpoint), "--prompts", "2", "--answer-tokens", "6",
         "--output", str(output), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "| int8 |" in result.stdout and "| int4 |" in result.stdout
     data = json.loads(output.read_text())
     assert (data["prompts"], data["answer_tokens"]) == (2, 6)
+    tier, _ = native.cpu_tier()
     for level in ("int8", "int4"):
         figures = data["levels"][level]
         assert figures["quantize"] == level and figures["positions"] == 12
         assert 0 <= figures["agreement"] <= 1 and 0 < figures["kl_mean"] <= figures["kl_max"]
+        assert len(figures["kl_prompt_means"]) == 2 and figures["kl_median"] <= figures["kl_p99"] <= figures["kl_max"]
+        if tier is None:  # no kernels here: torch's, at the capability it runs
+            assert figures["isa"].startswith("torch at ") and figures["kernels"].startswith("stock kernels: ")
+        else:
+            assert figures["isa"] == native.TIER_NAMES[tier], figures
+            assert figures["kernels"].startswith("vlserve's kernels for %s (" % native.TIER_NAMES[tier]), figures
+        assert "| %s |" % figures["isa"] in result.stdout
     # Four bits round more than eight: on the same prompts, a larger divergence.
     assert data["levels"]["int4"]["kl_mean"] > data["levels"]["int8"]["kl_mean"]
 

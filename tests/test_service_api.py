@@ -96,8 +96,9 @@ def test_models_and_health(server):
     ready = httpx.get(server.url + "/readyz").json()
     assert ready["status"] == "ready"
     assert ready["quantize"] == "none"
-    if native.cpu_reason() is None and native.BF16_FLAG in (native._cpu_flags() or []):  # bfloat16 decodes on them
-        assert ready["kernels"].startswith("vlserve's decode kernels (bf16/int8/int4 products"), ready["kernels"]
+    bf16_kernel = native.cpu_tier()[0] == "avx512_vnni" and native.BF16_FLAG in (native._cpu_flags() or [])
+    if bf16_kernel:  # bfloat16 decodes on them
+        assert ready["kernels"].startswith("vlserve's kernels for AVX-512 VNNI (bf16/int8/int4"), ready["kernels"]
         assert ready["packed_weights"]  # the plan's choice, in the layout of vlserve's product
     else:
         assert ready["kernels"] == native.STOCK

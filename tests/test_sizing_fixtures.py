@@ -84,19 +84,20 @@ def test_an_8_gib_laptop_with_a_desktop_running_gets_a_worker_at_a_smaller_level
     facts = load_topology("i7-11800h-laptop-8g")
     if isa == "avx2 only":
         facts["cpu"]["isa"].update(avx512f=False, avx512_vnni=False, avx512_bf16=False)
-    # With VNNI int8 is next; held to AVX2 int8 decoded slower than int4 (docs/benchmarks.md), so int4.
-    level = "int8" if isa == "as is" else "int4"
-    desktop = sizing.Policy(other_services_bytes=int(2.4 * sizing.GIB))  # 4.2 GiB left for workers
+    # int8 is next on every ISA whose accuracy is established: more accurate than int4 and, through
+    # vlserve's Q8_0 kernel, the faster to decode on AVX2 too (docs/quantization.md).
+    level = "int8"
+    desktop = sizing.Policy(other_services_bytes=int(2.3 * sizing.GIB))  # 4.3 GiB left for workers
     with pytest.raises(sizing.PlanError, match="or take quantize: %s, with which one worker fits" % level):
         sizing.plan(facts, sizing.Policy(other_services_bytes=desktop.other_services_bytes, quantize="none"))
     result = sizing.plan(facts, desktop)
     assert result["model"]["quantize"] == level and result["workers"]["count"] == 1
     assert result["worker_list"][0]["memory_high_bytes"] <= result["memory"]["available_bytes"]
     assert not result["model"]["packed_weights"]
-    if isa == "avx2 only":  # no room for an int8 prompt copy beside the int4 weights
-        assert result["model"]["prefill_dtype"] == "int4" and "would cost" in result["model"]["prefill_why"]
-        assert "int8 left out: without AVX-512 VNNI its decode measured slower" in result["model"]["quantize_why"]
-        return
+    assert (
+        "accuracy established on %s" % ("AVX2" if isa == "avx2 only" else "AVX-512 VNNI")
+        in result["model"]["quantize_why"]
+    )
     assert result["model"]["prefill_dtype"] == "int8"  # the int8 weights themselves
     # Tighter still, int4.
     tighter = sizing.plan(facts, sizing.Policy(other_services_bytes=int(2.8 * sizing.GIB)))
@@ -118,8 +119,9 @@ def test_each_level_counts_its_own_weights():
         for level in ("none", "int8", "int4")
     }
     linear, head = footprint.text_linear_parameters, footprint.tied_head_parameters
-    assert sizes["none"] - sizes["int8"] == 2 * linear - linear - head
-    assert sizes["int8"] - sizes["int4"] == linear - linear * 5 // 8
+    # Q8_0: 34 bytes per 32 weights (the head too, at both levels); int4: 20 bytes per 32.
+    assert sizes["none"] - sizes["int8"] == 2 * linear - linear * 34 // 32 - head * 34 // 32
+    assert sizes["int8"] - sizes["int4"] == linear * 34 // 32 - linear * 20 // 32
 
 
 def test_small_laptop_shrinks_the_batch_and_leaves_out_the_float32_copies():
@@ -253,16 +255,20 @@ def test_quantize_int8_rounds_the_language_model_and_the_vision_tower():
     quantized = sizing.plan(facts, sizing.Policy(quantize="int8"))
     model = quantized["model"]
     assert (model["dtype"], model["vision_dtype"], model["prefill_dtype"]) == ("bfloat16", "int8", "int8")
-    assert (model["quantize"], model["quantize_why"], model["packed_weights"]) == ("int8", "set by policy", False)
+    assert (model["quantize"], model["packed_weights"]) == ("int8", False)
+    assert model["quantize_why"] == "set by policy; accuracy established on AVX-512 VNNI (docs/quantization.md)"
     assert "numerics change" in model["vision_why"] and "no copy" in model["prefill_why"]
     env = quantized["worker_list"][0]["environment"]
     assert (env["VLSERVE_VISION_DTYPE"], env["VLSERVE_PREFILL_DTYPE"], env["VLSERVE_QUANTIZE"]) == ("int8",) * 3
     # Exact: packed bf16 decoder + its packed head + float32 prompt copy + float32 vision tower. int8: the
-    # decoder's layers in int8 (prompts on them too), an int8 head, an int8 vision tower.
+    # decoder's layers in Q8_0 (prompts on them too: 34 bytes per 32 weights), a Q8_0 head and vision tower.
     footprint = sizing.FOOTPRINTS["qwen3-vl-2b-instruct"]
     saved = default["memory"]["per_worker"]["weights_bytes"] - quantized["memory"]["per_worker"]["weights_bytes"]
-    assert (
-        saved == footprint.text_linear_parameters * 5 + footprint.vision_parameters * 3 + footprint.tied_head_parameters
+    q8 = sizing.COMPUTE_BYTES_PER_32["int8"]
+    assert saved == (
+        footprint.text_linear_parameters * (6 * 32 - q8) // 32
+        + footprint.vision_parameters * (4 * 32 - q8) // 32
+        + footprint.tied_head_parameters * (2 * 32 - q8) // 32
     )
     # VNNI without BF16 (Cascade Lake): bfloat16 for the rest, int8 images and prompts.
     cascade = sizing.plan(load_topology("xeon-gold-6248r-2s"), sizing.Policy(quantize="int8"))["model"]
@@ -356,7 +362,7 @@ def test_graviton3_bfloat16_from_arm_features_and_no_x86_only_paths():
     assert exact["prefill_dtype"] == "bfloat16"
     # The int8 products with int8 inputs are x86 kernels: the vision tower is not rounded, and the plan
     # says why; the language model's int8 weights go through torch's weight-only kernel.
-    assert model["vision_dtype"] == "float32" and "its int8 products are oneDNN's x86 kernels" in model["vision_why"]
+    assert model["vision_dtype"] == "float32" and "its int8 products are vlserve's x86 kernels" in model["vision_why"]
     assert model["prefill_dtype"] == "int8" and "weight-only" in model["prefill_why"]
 
 

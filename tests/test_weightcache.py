@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import run_tool
-from vlserve import native, packing, quantized, weightcache
+from vlserve import packing, quantized, weightcache
 from vlserve.loader import load_model
 from vlserve.settings import LimitSettings, ModelSettings
 from vlserve.weightcache import KEY_FIELD, WeightCache
@@ -68,8 +68,8 @@ def test_a_second_start_maps_what_the_first_rounded_and_answers_the_same(checkpo
     first = load(checkpoint, tmp_path, level)
     rounded_first = len(roundings)
     assert rounded_first > 0
-    # int8 weights wait for oneDNN's layout until after ready; vlserve's own kernel reads the plain one.
-    assert bool(first.layout_steps) == (native.int8_linear() is None)
+    # Rounded weights are in their kernel's layout at once (tiles or torch's): nothing waits for ready.
+    assert first.layout_steps == []
     path = cache_file(tmp_path)
     assert oct(path.stat().st_mode & 0o777) == "0o600"  # the service's UMask=0077 too
     roundings.clear()
@@ -143,10 +143,12 @@ def test_a_stale_foreign_or_broken_file_is_rebuilt_never_trusted(checkpoint, tmp
 def test_a_layer_of_the_wrong_shape_is_rounded_again(checkpoint, tmp_path, roundings, caplog):
     reference = logits(load(checkpoint, tmp_path, "int8"))
     path = cache_file(tmp_path)
-    victim = "lm_head.values"
 
-    def shrink(tensors):
-        tensors[victim] = tensors[victim][:-1].contiguous()
+    def shrink(tensors):  # one output fewer, in whichever layout the head was rounded
+        if "lm_head.tiles" in tensors:
+            tensors["lm_head.outputs"] = tensors["lm_head.outputs"] - 1
+        else:
+            tensors["lm_head.values"] = tensors["lm_head.values"][:-1].contiguous()
 
     rewrite(path, change_tensors=shrink)
     roundings.clear()
@@ -174,11 +176,10 @@ def test_the_key_names_what_the_tensors_depend_on(checkpoint):
     assert all("header_sha256" in entry for entry in key["model"] if entry["name"].endswith(".safetensors"))
 
 
-def test_settle_leaves_nothing_for_after_ready(checkpoint, tmp_path, monkeypatch):
+def test_settle_leaves_nothing_for_after_ready(checkpoint, tmp_path):
     """What benchmarks time: kernel layouts made, prompt copies made, nothing left in the checkpoint's map."""
-    monkeypatch.setattr(native, "int8_linear", lambda: None)  # stock kernels: oneDNN's layouts to make
-    loaded = load(checkpoint, tmp_path / "cache", "int4")  # an int8 head's layout, int8 prompt copies
-    assert loaded.layout_steps and loaded.prefill_copies
+    loaded = load(checkpoint, tmp_path / "cache", "int4")  # int8 prompt copies where int8 products run
+    assert bool(loaded.prefill_copies) == quantized.int8_products_supported() and loaded.map_copies
     loaded.settle()
     assert (loaded.layout_steps, loaded.prefill_copies, loaded.map_copies) == ([], [], [])
     assert packing.layout_steps(loaded.model) == [] and packing.pending_prefill_copies(loaded.model) == []

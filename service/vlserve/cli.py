@@ -14,6 +14,7 @@ import typing
 from dataclasses import fields
 
 from vlserve import __version__, sizing
+from vlserve.testmodel import OUTLIER_SCALE
 
 
 def _policy_flag_type(annotation):
@@ -203,8 +204,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_make_test_model(args: argparse.Namespace) -> int:
     from vlserve.testmodel import make_test_model  # noqa: PLC0415
 
-    path = make_test_model(args.directory, size=args.size, seed=args.seed, dtype=args.dtype)
-    print("wrote a %s Qwen3-VL test checkpoint with random weights to %s" % (args.size, path))
+    try:
+        path = make_test_model(
+            args.directory,
+            size=args.size,
+            seed=args.seed,
+            dtype=args.dtype,
+            outliers=args.outlier_channels,
+            outlier_scale=args.outlier_scale,
+        )
+    except ValueError as error:  # refused before anything is written
+        raise BadInput(str(error)) from None
+    shape = " and %d outlier channels" % args.outlier_channels if args.outlier_channels else ""
+    print("wrote a %s Qwen3-VL test checkpoint with random weights%s to %s" % (args.size, shape, path))
     return 0
 
 
@@ -472,6 +484,7 @@ def cmd_quant_check(args: argparse.Namespace) -> int:
             answer_tokens=args.answer_tokens,
             images=tuple(pathlib.Path(i) for i in args.image or ()),
             threads=args.threads,
+            exact_vision=args.exact_vision,
         )
     )
     _write_json(args.output, result)
@@ -571,6 +584,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("bfloat16", "float32"),
         default="bfloat16",
         help="dtype of the saved weights (default: bfloat16, as the real checkpoint)",
+    )
+    test_model.add_argument(
+        "--outlier-channels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="give N channels of the residual streams activations --outlier-scale times larger, in every "
+        "layer, as trained models have them (norm weights scaled; quantization is judged on such a "
+        "checkpoint too; default: 0)",
+    )
+    test_model.add_argument(
+        "--outlier-scale",
+        type=float,
+        default=OUTLIER_SCALE,
+        metavar="X",
+        help="how much larger the outlier channels are (default: %g)" % OUTLIER_SCALE,
     )
     test_model.set_defaults(handler=cmd_make_test_model)
 
@@ -691,6 +720,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--image", action="append", help="use this image instead of generated ones (repeatable)")
     check.add_argument("--answer-tokens", type=int, default=32, help="exact greedy answer length (default: 32)")
     check.add_argument("--threads", type=int, help="torch threads (default: the service's default)")
+    check.add_argument(
+        "--exact-vision",
+        action="store_true",
+        help="keep the vision tower exact at every level: the language model's rounding alone "
+        "(default: each level as a worker on this host serves it)",
+    )
     check.add_argument("--json", action="store_true", help="print JSON")
     check.add_argument("--output", metavar="FILE", help="also write the result as JSON to FILE")
     check.set_defaults(handler=cmd_quant_check)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vlserve import attention, decoderops, native, sizing
+from vlserve import attention, decoderops, native, outliers, sizing
 from vlserve.errors import ModelDirectoryError
 from vlserve.packing import (
     checkpoint_copy_steps,
@@ -90,7 +90,8 @@ def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | 
             if model.dtype != "auto"
             else ("bfloat16" if sizing.native_bfloat16(facts["cpu"]) else "float32")
         )
-        level = "int4" if model.quantize == "auto" else model.quantize  # the smallest, as the plan would take
+        # The smallest level auto may take here, as the plan would take it.
+        level = sizing.auto_levels(facts["cpu"])[0][-1] if model.quantize == "auto" else model.quantize
         planned = {
             "dtype": dtype,
             "vision_dtype": dtype,
@@ -168,23 +169,28 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     network.eval()
     attention.use_for(network)
     vision_dtype, prefill_dtype = choices.vision_dtype, choices.prefill_dtype
+    if level != "none" or "int8" in (vision_dtype, prefill_dtype):
+        # Before any weight or cache file is opened: the int8 and int4 weights' layouts (and so their
+        # cache file) depend on whether vlserve's kernels run, and so does the speed of int8 products.
+        status("loading vlserve's kernels (built once per host)")
+        native.enable(model.native_kernel_root())
     if "int8" in (vision_dtype, prefill_dtype) and not int8_products_supported():
         # Prompts fall back to the model's own weights: a float32 copy would be 4x the int8 one the plan counted.
-        log.warning("int8 products are not available on this CPU (oneDNN's x86 kernels): images in float32")
+        log.warning("vlserve's int8 product is not loaded (%s): images and prompts in float", native.status())
         vision_dtype = "float32" if vision_dtype == "int8" else vision_dtype
         prefill_dtype = choices.dtype if prefill_dtype == "int8" else prefill_dtype
     packed, prefill_copies, map_copies = False, [], []
-    # Quantized weights come from the weight cache where it has them; int8 ones (at any level, the
-    # vision tower's too) are rounded there with their plain layout and reordered after ready.
-    if level != "none":
-        # Before any weight or cache file is opened: the int8 weights' layout and the int4 weights'
-        # layout (and so their cache file) depend on whether vlserve's kernels run.
-        status("loading vlserve's decode kernels (built once per host)")
-        native.enable(model.native_kernel_root())
+    # Quantized weights come from the weight cache where it has them (at any level, the vision tower's too).
     root = model.weight_cache_root()
     rounds = level != "none" or vision_dtype == "int8"
     cache = WeightCache(root, path, level) if root is not None and rounds else None
     prepared = cache.open() if cache is not None else PreparedWeights()
+    # The residual streams' outlier channels, which rounded layers keep exact: found on the exact model
+    # (one pass over a generated picture) before anything is rounded, or taken from the weight cache.
+    channels = None
+    if rounds:
+        status("finding the outlier channels (once per weight cache)")
+        channels = outliers.channels_for(network, processor, prepared)
     if level != "none":
         status("quantizing the language model to %s" % level)
         copy = prefill_dtype if prefill_dtype not in (level, choices.dtype) else None
@@ -195,6 +201,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
             level=level,
             prepared=prepared,
             defer_layouts=True,
+            channels=channels,
         )
         if choices.dtype != "bfloat16":
             network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
@@ -209,7 +216,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         # on AMX swing (vlserve/native.py), and prompts still run on oneDNN. Same memory as packed.
         own = False
         if choices.packed and network.dtype == torch.bfloat16 and packing_supported(network.dtype):
-            status("loading vlserve's decode kernels (built once per host)")
+            status("loading vlserve's kernels (built once per host)")
             native.enable(model.native_kernel_root())
             own = native.bf16_linear() is not None
         packed = not own and choices.packed and packing_supported(network.dtype)
@@ -228,6 +235,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
                 native=own,
                 prepared=prepared,
                 defer_layouts=True,
+                channels=channels,
             )
             if own:
                 decoderops.use_for(network)
@@ -236,7 +244,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
             how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
             log.info("%s %d linear layers (prompts in %s)", how, count, prefill_dtype)
         else:
-            convert_vision_tower(network, getattr(torch, vision_dtype), prepared, defer_layouts=True)
+            convert_vision_tower(network, getattr(torch, vision_dtype), prepared, True, channels)
             if prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
                 add_int8_prompt_copies(network.model.language_model)
                 prefill_copies = pending_prefill_copies(network)

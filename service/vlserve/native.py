@@ -1,26 +1,33 @@
-"""vlserve's own decode kernels (kernels/decode_vnni.cpp), compiled once per host, loaded by every worker.
+"""vlserve's own kernels (kernels/*.cpp), compiled once per host, loaded by every worker.
 
-The int8 and int4 levels decode through them where the CPU has AVX-512 VNNI: a step's 1-4 rows
-times integer weights at about the speed the weights stream from memory. The exact level decodes its
-bfloat16 weights through them where the CPU has AVX-512 BF16 too: on AMX CPUs oneDNN's one-row
-bfloat16 products swing between about 9 and 20 GB/s (eighty 6144x2048 products: 121-221 ms
-medians, processes alternating), this one holds 19-20 GB/s (104-108 ms) in the same runs. Measured here (2 threads,
-eighty 6144x2048 products, beyond the last-level cache, side by side): int8 one row 53-55 ms
-against oneDNN's 122-136 ms (`torch._int_mm` 99-115), four rows 84-90 against 117-134; int4 one row
-26 ms against torch's int4 kernel's 30-33, four rows 39 against 61. The int8 product equals the
-`torch._int_mm` path bit for bit (the source says how); the int4 one rounds its inputs to int8 per
-block of 32, as llama.cpp's Q4_0 x Q8_0 products do, where torch's kernel takes bfloat16 inputs.
+Two ISA tiers, picked from the CPU and torch's view of it (ATEN_CPU_CAPABILITY holds both back):
+
+- `avx512_vnni`: every op. The int8 and int4 levels decode through its products (a step's 1-4 rows
+  times integer weights at about the speed the weights stream from memory) and the int8 product runs
+  prompts and images too; the exact level decodes its bfloat16 weights through bf16_linear where the
+  CPU has AVX-512 BF16 (on AMX CPUs oneDNN's one-row bfloat16 products swing between about 9 and 20
+  GB/s, this one holds 19-20 GB/s); the decoder's norm, rotary and one-query attention in one call each.
+- `avx2` (AVX2, FMA and F16C: every x86-64 server CPU since 2013, and AVX-512 CPUs without VNNI):
+  the int8 product (kernels/q8.cpp, equal to the AVX-512 one bit for bit), the norm and the rotary.
+  int4 weights go through torch's int4 kernel there, attention through vlserve.attention's Python path.
+
+The int8 product is llama.cpp's Q8_0 x Q8_0 (q8.cpp): weights and inputs rounded per block of 32,
+so an input channel many times larger than the rest coarsens its own block only. It replaces
+oneDNN's int8 kernels, which round a whole row with one scale and, on CPUs without VNNI, saturate
+their 16-bit pair sums (held to AVX2 here, torch._int_mm and oneDNN's prepacked product returned
+wrong sums: docs/quantization.md). The int4 product rounds its inputs the same way.
 
 They are built with the host's C++ compiler against the installed torch, the first time a worker
-needs them, into `<cache>/decode_vnni-<key>.so` (about 8 s); the key digests the source, torch's
-version, the compiler's version and the flags, so an upgrade of any of them builds a new file and a
-stale one is never loaded. A lock file serialises builds, which go to a temporary name and are
-renamed, so workers starting together build once and none loads a half-written file. Before use,
-each op is checked against a reference computed in Python.
+needs them, into `<cache>/vlserve_kernels-<key>.so` (about 10 s); the key digests the sources,
+torch's version, the compiler's version and the flags, so an upgrade of any of them builds a new
+file and a stale one is never loaded. A lock file serialises builds, which go to a temporary name
+and are renamed, so workers starting together build once and none loads a half-written file.
+Before use, each op of the tier is checked against a reference computed in Python.
 
-Where they cannot be had (not x86-64, no AVX-512 VNNI, torch held below AVX-512 by
-ATEN_CPU_CAPABILITY, no compiler, a failed build or check, `native_kernels: off`) the reason is
-logged once, shown by /readyz and /status, and torch's kernels serve.
+Where they cannot be had (not x86-64, no AVX2, torch held below AVX2, no compiler, a failed build or
+check, `native_kernels: off`) the reason is logged once, shown by /readyz and /status, and torch's
+kernels serve: int8 weights then keep one scale per output row and multiply exact inputs through
+torch's weight-only product (slower on prompts), int4 weights torch's int4 kernel.
 """
 
 from __future__ import annotations
@@ -42,14 +49,20 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "decode_vnni.cpp"
-MAX_ROWS = 4  # the kernel's rows per call: decode batches up to four; more rows go to torch._int_mm
-INPUT_MULTIPLE = 64  # its inputs per vpdpbusd: a layer whose inputs are not a multiple stays stock
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
-BF16_FLAG = "avx512_bf16"  # bf16_linear's vdpbf16ps, beyond CPU_FLAGS
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = (KERNELS / "decode_vnni.cpp", KERNELS / "q8.cpp")
+MAX_ROWS = 4  # bf16_linear's rows per call: decode batches up to four; more rows go to oneDNN
+# The ISA tiers, best first: the CPU flags each needs (as /proc/cpuinfo spells them) and the torch CPU
+# capabilities that allow it (ATEN_CPU_CAPABILITY=avx2 holds an AVX-512 CPU to the avx2 tier).
+AVX512_CAPABILITIES = ("AVX512", "AVX512_BF16", "AMX")  # names torch has used for AVX-512 and up
+TIERS = {
+    "avx512_vnni": (("avx512f", "avx512bw", "avx512_vnni"), AVX512_CAPABILITIES),
+    "avx2": (("avx2", "fma", "f16c"), ("AVX2", *AVX512_CAPABILITIES)),
+}
+TIER_NAMES = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2"}
+BF16_FLAG = "avx512_bf16"  # bf16_linear's vdpbf16ps, beyond the avx512_vnni tier's flags
 BF16_INPUT_MULTIPLE = 32  # its inputs per vdpbf16ps
-# /readyz's line where no level asked for the kernels (the exact level on a CPU without AVX-512 BF16)
-STOCK = "torch's kernels (vlserve's own serve the int8 and int4 levels, and bfloat16 on AVX-512 BF16)"
+Q8_BLOCK = 32  # the int8 product's inputs per scale (q8.cpp)
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
 BUILD_TIMEOUT_S = 600
 # How far the norm op may be from transformers' RMSNorm, relative: its float32 sum of squares adds in
@@ -73,18 +86,37 @@ def _cpu_flags() -> list[str] | None:
         return None
 
 
-def cpu_reason() -> str | None:
-    """Why this CPU (or torch's view of it) cannot run the kernel; None when it can."""
+def cpu_tier() -> tuple[str | None, str]:
+    """(the best ISA tier this CPU and torch's view of it allow, or None; why, in a few words)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return "not an x86-64 CPU (%s)" % platform.machine()
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX512", "AVX512_BF16", "AMX"):  # names torch has used for AVX-512 and up
-        return "torch runs its kernels at %s (ATEN_CPU_CAPABILITY or the CPU), below AVX-512" % capability
+        return None, "not an x86-64 CPU (%s)" % platform.machine()
     flags = _cpu_flags()
     if flags is None:
-        return "cannot read the CPU's flags from /proc/cpuinfo"
-    missing = [flag for flag in CPU_FLAGS if flag not in flags]
-    return "the CPU lacks %s" % ", ".join(missing) if missing else None
+        return None, "cannot read the CPU's flags from /proc/cpuinfo"
+    capability = torch.backends.cpu.get_cpu_capability()
+    for tier, (needed, capabilities) in TIERS.items():
+        if capability in capabilities and all(flag in flags for flag in needed):
+            held = "" if tier == "avx512_vnni" or "avx512_vnni" not in flags else " (torch held to %s)" % capability
+            return tier, "the CPU has %s%s" % (TIER_NAMES[tier], held)
+    missing = [flag for flag in TIERS["avx2"][0] if flag not in flags]
+    if missing:
+        return None, "the CPU lacks %s" % ", ".join(missing)
+    return None, "torch runs its kernels at %s (ATEN_CPU_CAPABILITY or the CPU), below AVX2" % capability
+
+
+def cpu_tiers() -> list[str]:
+    """Every tier whose instructions this CPU has, best first, whatever torch's view (for tests and tools
+    that ask the ops for a given tier)."""
+    flags = _cpu_flags() or []
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    return [tier for tier, (needed, _) in TIERS.items() if all(flag in flags for flag in needed)]
+
+
+def cpu_reason() -> str | None:
+    """Why this CPU (or torch's view of it) can run none of the kernels; None when a tier applies."""
+    tier, why = cpu_tier()
+    return None if tier else why
 
 
 def compiler() -> str:
@@ -97,6 +129,7 @@ def compiler() -> str:
 
 
 def _command(cxx: str, output: Path) -> list[str]:
+    """One compiler run: every source into one library (each ISA's functions carry their own target)."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - only when building
 
     includes = ["-I" + path for path in cpp_extension.include_paths()]
@@ -107,7 +140,7 @@ def _command(cxx: str, output: Path) -> list[str]:
         *COMPILE_FLAGS,
         abi,
         *includes,
-        str(SOURCE),
+        *(str(source) for source in SOURCES),
         "-L" + torch_lib,
         "-lc10",
         "-ltorch_cpu",
@@ -123,10 +156,11 @@ def library_path(root: Path, cxx: str) -> Path:
     except (OSError, subprocess.SubprocessError) as error:
         raise NativeUnavailable("the compiler %s does not run (%s)" % (cxx, error)) from error
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode()):
+    sources = [source.read_bytes() for source in SOURCES]
+    for part in (*sources, torch.__version__.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode()):
         key.update(hashlib.sha256(part).digest())
     key.update((sysconfig.get_config_var("SOABI") or "").encode())
-    return root / ("decode_vnni-%s.so" % key.hexdigest()[:16])
+    return root / ("vlserve_kernels-%s.so" % key.hexdigest()[:16])
 
 
 def build(root: Path) -> tuple[Path, bool]:
@@ -163,40 +197,50 @@ def build(root: Path) -> tuple[Path, bool]:
     return path, True
 
 
-def _check(ops) -> None:
-    """The loaded kernels against references on a few shapes: a miscompiled build is not used. int8:
-    the Python path, bit for bit (then rounded to bfloat16 for bfloat16 rows). int4: the same rounded
-    quantities summed in float64."""
-    from vlserve.quantized import INT4_GROUP, _int4_groups, int4_blocks, quantize_rows  # noqa: PLC0415 - cyclic
+def _check(ops, tier: str) -> None:
+    """The loaded kernels of `tier` against references on a few shapes: a miscompiled build is not used.
+    int8: the exact sum of the same rounded quantities (float64), within float32's accumulation error.
+    int4: the same rounded quantities summed in float64."""
+    from vlserve.quantized import q8_reference, q8_tiles, quantize_blocks  # noqa: PLC0415 - it imports this module
 
     generator = torch.Generator().manual_seed(0)
-    for rows, inputs, outputs in ((1, 64, 5), (3, 192, 12), (4, 128, 9)):
-        weight, scales = quantize_rows(torch.randn(outputs, inputs, generator=generator))
+    for rows, inputs, outputs in ((1, 64, 5), (3, 96, 40), (6, 128, 70)):
+        values, scales = quantize_blocks(torch.randn(outputs, inputs, generator=generator), torch.float16)
         bias = torch.randn(outputs, generator=generator)
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(rows, inputs, generator=generator).to(dtype)
-            values, row_scales = quantize_rows(x)
-            sums = values.double() @ weight.double().t()  # exact: integers far below 2**53
-            expected = sums.float().mul_(row_scales[:, None]).mul_(scales).add_(bias).to(dtype)
-            got = ops.int8_linear(x, weight, scales, bias)
-            if not torch.equal(got, expected):
+            x = (torch.randn(rows, inputs, generator=generator) * 10.0 ** torch.arange(rows)[:, None]).to(dtype)
+            expected = q8_reference(x, values, scales, bias)
+            got = ops.q8_linear(x, q8_tiles(values, scales), bias, outputs, tier).double()
+            # float32 sums: off by a few units of the row's largest term; bfloat16 rounds each result.
+            slack = 1e-5 * expected.abs().amax(dim=1, keepdim=True)
+            if not torch.all(
+                (got - expected).abs() <= slack + expected.abs() * (2**-8 if dtype == torch.bfloat16 else 0)
+            ):
                 raise NativeUnavailable(
                     "its int8 check differs from the reference by %.3g" % (got - expected).abs().max()
                 )
+    if tier == "avx512_vnni":
+        _check_int4(ops, generator)
+    if _state.bf16:
+        _check_bf16(ops, generator)
+    _check_decoder_ops(ops, generator, attention_op=tier == "avx512_vnni")
+
+
+def _check_int4(ops, generator: torch.Generator) -> None:
+    from vlserve.quantized import INT4_GROUP as group  # noqa: PLC0415 - it imports this module
+    from vlserve.quantized import _int4_groups, int4_blocks, quantize_blocks  # noqa: PLC0415
+
     for rows, inputs, outputs in ((1, 128, 64), (2, 64, 128), (5, 96, 64)):
-        levels, scales, lows = _int4_groups(torch.randn(outputs, inputs, generator=generator), INT4_GROUP)
+        levels, scales, lows = _int4_groups(torch.randn(outputs, inputs, generator=generator), group)
         x = torch.randn(rows, inputs, generator=generator)
-        blocks, block_scales = quantize_rows(x.reshape(-1, INT4_GROUP))  # the kernel's input rounding
-        x_rounded = (blocks.double() * block_scales.double()[:, None]).reshape(rows, inputs)
+        blocks, block_scales = quantize_blocks(x)  # the kernel's input rounding
+        x_rounded = (blocks.double().reshape(rows, -1, group) * block_scales.double()[..., None]).reshape(rows, inputs)
         scale_w, low_w = scales.bfloat16().double(), lows.bfloat16().double()
-        weight = levels.double() * scale_w.repeat_interleave(INT4_GROUP, 1) + low_w.repeat_interleave(INT4_GROUP, 1)
+        weight = levels.double() * scale_w.repeat_interleave(group, 1) + low_w.repeat_interleave(group, 1)
         expected = x_rounded @ weight.t()
         got = ops.int4_linear(x, int4_blocks(levels, scales, lows)).double()
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())):
             raise NativeUnavailable("its int4 check differs from the reference by %.3g" % (got - expected).abs().max())
-    if _state.bf16:
-        _check_bf16(ops, generator)
-    _check_decoder_ops(ops, generator)
 
 
 def _check_bf16(ops, generator: torch.Generator) -> None:
@@ -214,7 +258,7 @@ def _check_bf16(ops, generator: torch.Generator) -> None:
                 )
 
 
-def _check_decoder_ops(ops, generator: torch.Generator) -> None:
+def _check_decoder_ops(ops, generator: torch.Generator, attention_op: bool) -> None:
     """The norm and rotary ops against transformers' own (rotary bit for bit, the norm within
     NORM_TOLERANCE), the attention op against vlserve.attention's Python path (within a unit of
     bfloat16: its float32 sums add in another order, which may move a rounding)."""
@@ -238,6 +282,8 @@ def _check_decoder_ops(ops, generator: torch.Generator) -> None:
         got_q, got_k = ops.rotary(q, k, cos, sin)
         if not (torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)):
             raise NativeUnavailable("its rotary check differs from transformers'")
+    if not attention_op:
+        return
     query = torch.randn(2, 1, 4, 32, generator=generator).bfloat16().transpose(1, 2)
     key, value = (torch.randn(2, 2, 9, 32, generator=generator).bfloat16() for _ in range(2))
     mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
@@ -254,15 +300,21 @@ class _State:
     def __init__(self):
         self.lock = threading.Lock()
         self.ops = None
+        self.tier: str | None = None  # the ISA tier whose ops are loaded
         self.bf16 = False  # the CPU runs bf16_linear (AVX-512 BF16)
         self.status: str | None = None  # None: not asked for (quantize=none on a CPU without AVX-512 BF16)
 
 
 _state = _State()
+# What each tier's library serves, as /readyz and /status say it.
+TIER_OPS = {
+    "avx512_vnni": "int8/int4 products, norm, rotary, attention",
+    "avx2": "int8 products, norm, rotary",
+}
 
 
 def enable(root: Path | None) -> str:
-    """Build (when missing) and load the kernel from `root` (None: off); returns the status line that
+    """Build (when missing) and load the kernels from `root` (None: off); returns the status line that
     is also logged and shown on /status. Later calls return the first call's outcome."""
     with _state.lock:
         if _state.status is not None:
@@ -270,45 +322,57 @@ def enable(root: Path | None) -> str:
         try:
             if root is None:
                 raise NativeUnavailable("switched off (native_kernels: off)")
-            reason = cpu_reason()
-            if reason:
-                raise NativeUnavailable(reason)
+            tier, why = cpu_tier()
+            if tier is None:
+                raise NativeUnavailable(why)
             path, built = build(root)
             torch.ops.load_library(str(path))
             ops = torch.ops.vlserve
-            _state.bf16 = BF16_FLAG in (_cpu_flags() or [])
-            _check(ops)
+            _state.bf16 = tier == "avx512_vnni" and BF16_FLAG in (_cpu_flags() or [])
+            _check(ops, tier)
         except NativeUnavailable as error:
             _state.bf16 = False
             _state.status = "stock kernels: %s" % error
-            log.info("native kernel: %s", _state.status)
+            log.info("native kernels: %s", _state.status)
         except (OSError, RuntimeError) as error:  # load_library's and the op's errors
             _state.bf16 = False
-            _state.status = "stock kernels: the built kernel does not load (%s)" % str(error).splitlines()[0]
-            log.warning("native kernel: %s", _state.status)
+            _state.status = "stock kernels: the built kernels do not load (%s)" % str(error).splitlines()[0]
+            log.warning("native kernels: %s", _state.status)
         else:
-            _state.ops = ops
-            _state.status = "vlserve's decode kernels (%s products, norm, rotary, attention) %s %s" % (
-                "bf16/int8/int4" if _state.bf16 else "int8/int4",
+            _state.ops, _state.tier = ops, tier
+            _state.status = "vlserve's kernels for %s (%s%s) %s %s" % (
+                TIER_NAMES[tier],
+                "bf16/" if _state.bf16 else "",
+                TIER_OPS[tier],
                 "built into" if built else "loaded from",
                 path,
             )
-            log.info("native kernel: %s", _state.status)
+            log.info("native kernels: %s", _state.status)
         return _state.status
 
 
+# /readyz's line where no level asked for the kernels (the exact level on a CPU without AVX-512 BF16)
+STOCK = "torch's kernels (vlserve's own serve the int8 and int4 levels, and bfloat16 on AVX-512 BF16)"
+
+
 def status() -> str:
-    """What serves the decode products in this process, as /readyz and /status show it."""
-    return (
-        _state.status
-        or "torch's kernels (vlserve's own serve the int8 and int4 levels, and bfloat16 ones on AVX-512 BF16)"
-    )
+    """What serves the products in this process, as /readyz and /status show it."""
+    return _state.status or STOCK
 
 
-def int8_linear():
-    """The loaded int8 op, or None: (rows <= MAX_ROWS, in) float32 or bfloat16 x (out, in) int8, scales,
-    bias -> (rows, out) in the rows' dtype."""
-    return None if _state.ops is None else _state.ops.int8_linear
+def tier() -> str | None:
+    """The ISA tier whose kernels are loaded in this process, or None."""
+    return _state.tier
+
+
+def q8_linear():
+    """The loaded int8 op for this CPU's tier, or None: (rows, in) float32 or bfloat16 x tiles
+    (quantized.q8_tiles), bias or None, outputs -> (rows, outputs) in the rows' dtype; `in` a multiple
+    of Q8_BLOCK."""
+    if _state.ops is None:
+        return None
+    op, isa = _state.ops.q8_linear, _state.tier
+    return lambda x, tiles, bias, outputs: op(x, tiles, bias, outputs, isa)
 
 
 def bf16_linear():
@@ -318,9 +382,9 @@ def bf16_linear():
 
 
 def int4_linear():
-    """The loaded int4 op, or None: (rows, in) float32 or bfloat16 x blocks (quantized.int4_blocks) ->
-    (rows, out) in the rows' dtype."""
-    return None if _state.ops is None else _state.ops.int4_linear
+    """The loaded int4 op (avx512_vnni tier), or None: (rows, in) float32 or bfloat16 x blocks
+    (quantized.int4_blocks) -> (rows, out) in the rows' dtype."""
+    return None if _state.tier != "avx512_vnni" else _state.ops.int4_linear
 
 
 def rms_norm():
@@ -336,10 +400,15 @@ def rotary():
 
 
 def one_query_attention():
-    """The loaded attention op, or None: q (batch, heads, 1, dim), key and value (batch, kv_heads, tokens,
-    dim) with a contiguous last dimension, mask or None, scale -> (batch, 1, heads, dim) as
-    vlserve.attention.one_query_attention computes it."""
-    return None if _state.ops is None else _state.ops.one_query_attention
+    """The loaded attention op (avx512_vnni tier), or None: q (batch, heads, 1, dim), key and value
+    (batch, kv_heads, tokens, dim) with a contiguous last dimension, mask or None, scale -> (batch, 1,
+    heads, dim) as vlserve.attention.one_query_attention computes it."""
+    return None if _state.tier != "avx512_vnni" else _state.ops.one_query_attention
+
+
+def int8_layout() -> str:
+    """Which layout int8 weights take in this process (the weight cache keeps each in its own file)."""
+    return "q8tiles" if q8_linear() is not None else "rows"
 
 
 def int4_layout() -> str:

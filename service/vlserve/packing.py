@@ -28,8 +28,8 @@ A prompt is the other kind of work: hundreds of rows at once, compute-bound. Wit
 GEMMs beat the packed bfloat16 ones from about 48 rows on, so with `prefill_dtype=float32` each
 decoder layer also gets a float32 copy of its weight (+5.6 GB) and products of `PREFILL_ROWS` rows
 or more run on it; decode steps (one row per sequence) stay on the packed bfloat16 weight.
-With `prefill_dtype=int8` (the int4 level, or by hand) the copy is an int8 one (+1.4 GB) and
-prompts run through dynamic int8 products, about twice as fast again.
+With `prefill_dtype=int8` (the int4 level, or by hand) the copy is an int8 one (+1.5 GB) and
+prompts run through vlserve's int8 product, about twice as fast again.
 Writing 5.6 GB of fresh memory took 5-14 s at load on this project's VMs (first-touch page faults),
 more than the whole rest of the load, so the copies are not made at load: each layer keeps a view of
 its checkpoint weight and the engine makes one copy per scheduler pass after it is ready
@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 
 from vlserve import native
-from vlserve.quantized import INT8_PREFILL_ROWS, Int4Weight, Int8Weight, quantize_vision_tower, whole
+from vlserve.quantized import INT8_PREFILL_ROWS, Int4Weight, Int8Weight, exact_format, quantize_vision_tower, whole
 
 # Sibling projections of one input in Qwen3-VL's decoder layers (attention; MLP), packed together.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -210,7 +210,11 @@ class PackedLinear(torch.nn.Module):
         prefill_dtype: torch.dtype | None = None,
         group: PackedGroup | None = None,
         index: int = 0,
+        *,
+        prefill_format: Callable = Int8Weight,
     ):
+        """`prefill_format`: what an int8 prompt copy is made as (Int8Weight, keeping the outlier
+        channels of the streams this layer touches exact where the model has them)."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -218,6 +222,7 @@ class PackedLinear(torch.nn.Module):
         # Plain attributes, not buffers: nothing should copy or move them behind our back.
         self.weight = None if group is not None else make_weight(linear.weight, linear.bias)
         self.prefill_weight = self.prefill_bias = None
+        self.prefill_format = prefill_format
         self._prefill_source: tuple[torch.Tensor, torch.Tensor | None, torch.dtype] | None = None
         if prefill_dtype is not None and prefill_dtype != linear.weight.dtype:
             bias = None if linear.bias is None else linear.bias.detach()
@@ -236,7 +241,7 @@ class PackedLinear(torch.nn.Module):
         """Convert the plain weight into the prefill dtype and drop the view of the checkpoint."""
         weight, bias, dtype = self._prefill_source
         if dtype == torch.int8:
-            self.prefill_weight = Int8Weight(weight, bias)
+            self.prefill_weight = self.prefill_format(weight, bias)
         else:
             self.prefill_bias = None if bias is None else bias.to(dtype)
             self.prefill_weight = weight.to(dtype)  # set last: forward() tests this one
@@ -248,7 +253,11 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if isinstance(self.prefill_weight, Int8Weight) and rows.shape[0] >= INT8_PREFILL_ROWS:
+        if (
+            self.prefill_weight is not None
+            and self.prefill_weight.dtype == torch.int8
+            and rows.shape[0] >= INT8_PREFILL_ROWS
+        ):
             out = self.prefill_weight.matmul(rows)
         elif self.prefill_weight is not None and rows.shape[0] >= PREFILL_ROWS:
             wide = rows.to(self.prefill_weight.dtype)
@@ -297,6 +306,7 @@ def pack_language_model(
     native: bool = False,
     prepared=None,
     defer_layouts: bool = False,
+    channels: dict[str, list[int]] | None = None,
 ) -> int:
     """Put every linear layer of the text decoder and the output head in the layout of `level`
     (none: oneDNN-packed bfloat16, plain weights where `packed` is False, plain ones for vlserve's own
@@ -311,11 +321,15 @@ def pack_language_model(
     `prepared` (weightcache.PreparedWeights): quantized weights taken from the weight cache by layer
     name instead of being rounded again, and those rounded here kept for it.
     `defer_layouts`: leave oneDNN's reorders to `layout_steps` (the worker runs them after ready).
+    `channels`: the residual streams' outlier channels, which quantized layers keep exact
+    (vlserve/outliers.py); a fused group is named by its first member.
     """
-    convert_vision_tower(model, vision_dtype, prepared, defer_layouts)
+    convert_vision_tower(model, vision_dtype, prepared, defer_layouts, channels)
     decoder_weight, head_weight = weight_formats(level, packed, native)
 
-    def maker(fmt: Callable, name: str) -> Callable:
+    def maker(fmt: Callable, name: str, role: str | None = None) -> Callable:
+        if level != "none":
+            fmt = exact_format(fmt, role or name, channels)
         make = functools.partial(fmt, prepack=False) if defer_layouts and hasattr(fmt, "finish_layout") else fmt
         if prepared is None or not hasattr(fmt, "from_tensors"):
             return make
@@ -332,15 +346,22 @@ def pack_language_model(
         for names in FUSED_PROJECTIONS:
             linears = [getattr(parent, name, None) for name in names]
             if all(isinstance(linear, torch.nn.Linear) for linear in linears):
-                make = maker(decoder_weight, "%s.%s" % (parent_name, "+".join(names)))
+                first = "%s.%s" % (parent_name, names[0])  # every member reads the same input
+                make = maker(decoder_weight, "%s.%s" % (parent_name, "+".join(names)), first)
                 group = PackedGroup(linears, make)
                 for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
-                    setattr(parent, name, PackedLinear(linear, make, prefill_dtype, group, index))
+                    prompt = exact_format(Int8Weight, "%s.%s" % (parent_name, name), channels)
+                    setattr(
+                        parent, name, PackedLinear(linear, make, prefill_dtype, group, index, prefill_format=prompt)
+                    )
                 count += len(names)
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
-                make = maker(decoder_weight, "%s.%s" % (parent_name, name))
-                setattr(parent, name, PackedLinear(child, make, prefill_dtype))
+                full = "%s.%s" % (parent_name, name)
+                prompt = exact_format(Int8Weight, full, channels)
+                setattr(
+                    parent, name, PackedLinear(child, maker(decoder_weight, full), prefill_dtype, prefill_format=prompt)
+                )
                 count += 1
     if head_weight is None:
         return count
@@ -349,11 +370,16 @@ def pack_language_model(
 
 
 def convert_vision_tower(
-    model: torch.nn.Module, vision_dtype: torch.dtype | None, prepared=None, defer_layouts: bool = False
+    model: torch.nn.Module,
+    vision_dtype: torch.dtype | None,
+    prepared=None,
+    defer_layouts: bool = False,
+    channels: dict[str, list[int]] | None = None,
 ) -> None:
-    """The vision tower to `vision_dtype` (int8: quantized linear layers, float32 for the rest)."""
+    """The vision tower to `vision_dtype` (int8: quantized linear layers keeping the streams' outlier
+    `channels` exact, float32 for the rest)."""
     if vision_dtype == torch.int8:
-        quantize_vision_tower(model.model.visual, prepared, "model.visual", prepack=not defer_layouts)
+        quantize_vision_tower(model.model.visual, prepared, "model.visual", channels)
     elif vision_dtype is not None and vision_dtype != model.dtype:
         model.model.visual.to(vision_dtype)
 

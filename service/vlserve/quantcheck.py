@@ -1,11 +1,15 @@
 """What a quantize level's rounding costs, measured on a checkpoint: `vlserve quant-check`.
 
-The same image+question prompts go through the exact model (plain weights in the checkpoint's dtype)
-and through the model at each level, loaded by the service's own loader. The exact model answers
-greedily; then both read that whole conversation in one pass (teacher forcing) and, at every answer
-position, their next-token distributions are compared: how often the most likely token agrees, and
-the mean KL divergence KL(exact || quantized) in nats, the figure llama.cpp's `perplexity
---kl-divergence` reports for its quantization types.
+The same image+question prompts go through the exact model (the checkpoint's bfloat16 weights, its
+vision tower too) and through the model at each level as a worker serves it: loaded by the service's
+own loader with the plan's choices for this host (the vision tower in int8 where the level rounds it,
+the int4 level's int8 prompt copies), settled as a worker is after its start, and run as a worker runs
+it: the prompt in one pass through the prompt paths, then the answer one token at a time through the
+decode paths. The exact model answers greedily; each level is then fed those same answer tokens
+(forced), and at every answer position their next-token distributions are compared: how often the
+most likely token agrees, and the mean KL divergence KL(exact || level) in nats, the figure
+llama.cpp's `perplexity --kl-divergence` reports for its quantization types. Each level's row says
+which ISA and kernels it ran on: the figures hold for that path (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vlserve import native
 from vlserve.bench.workload import QUESTIONS, synthetic_photo
 from vlserve.loader import load_model
 from vlserve.settings import LimitSettings, ModelSettings
@@ -35,6 +40,7 @@ class CheckOptions:
     image_size: tuple[int, int] = (448, 448)
     images: tuple[Path, ...] = ()  # the user's own images (else generated photos)
     threads: int | None = None
+    exact_vision: bool = False  # keep the vision tower exact at every level: the language model's rounding alone
 
 
 def _inputs(processor: Any, image: bytes, question: str) -> dict[str, torch.Tensor]:
@@ -47,67 +53,101 @@ def _inputs(processor: Any, image: bytes, question: str) -> dict[str, torch.Tens
 
 
 def _load(options: CheckOptions, quantize: str):
+    exact = quantize == "none"
     settings = ModelSettings(
         model=options.model,
         quantize=quantize,
         dtype="bfloat16",
-        vision_dtype="bfloat16",  # the vision tower stays exact: this measures the language model's rounding
-        prefill_dtype="bfloat16" if quantize == "none" else quantize,
-        packed_weights=False,
+        # The exact model: the checkpoint's weights everywhere, through torch's own products.
+        vision_dtype="bfloat16" if exact or options.exact_vision else "auto",
+        prefill_dtype="bfloat16" if exact else "auto",
+        packed_weights=False if exact else None,
         threads=options.threads,
         warmup=False,
     )
-    return load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
+    loaded = load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
+    loaded.settle()  # as a worker runs once its start-up work is done: prompt copies made
+    return loaded
 
 
-def _answer_log_probs(model: Any, inputs: dict[str, torch.Tensor], sequence: torch.Tensor, prompt_tokens: int):
-    """Log-probabilities of the next token at each answer position, reading the whole sequence at once."""
-    forced = dict(inputs, input_ids=sequence[None])
-    forced["attention_mask"] = torch.ones_like(forced["input_ids"])
-    if "mm_token_type_ids" in inputs:
-        extra = sequence.shape[0] - inputs["mm_token_type_ids"].shape[1]
-        forced["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, extra))
+def _answer_log_probs(model: Any, inputs: dict[str, torch.Tensor], answer: torch.Tensor | None, tokens: int):
+    """(the answer's tokens, log-probabilities of the next token at each answer position): greedy when
+    `answer` is None, else forced to `answer`, one decode step a token after the prompt's pass."""
+    forced = None
+    if answer is not None:
+        prompt = inputs["input_ids"].shape[1]
+
+        def forced(_batch: int, sequence: torch.Tensor) -> list[int]:
+            return [int(answer[sequence.shape[0] - prompt])]
+
     with torch.inference_mode():
-        logits = model(**forced).logits[0, prompt_tokens - 1 : -1].float()
-    return logits.log_softmax(-1)
+        out = model.generate(
+            **inputs,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            prefix_allowed_tokens_fn=forced,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    logits = torch.cat(out.logits).float()  # raw logits, one row per answer position
+    return out.sequences[0, inputs["input_ids"].shape[1] :], logits.log_softmax(-1)
+
+
+def ran_on(loaded) -> dict[str, str]:
+    """Which ISA and kernels a level ran on, as quant-check reports it."""
+    tier = native.tier()
+    return {
+        "isa": native.TIER_NAMES.get(tier, "none") if tier else "torch at %s" % torch.backends.cpu.get_cpu_capability(),
+        "kernels": native.status(),
+        "vision_dtype": loaded.vision_dtype,
+        "prefill_dtype": loaded.prefill_dtype,
+    }
 
 
 def quant_check(options: CheckOptions) -> dict[str, Any]:
-    """{'prompts', 'answer_tokens', 'levels': {level: {'agreement', 'kl_mean', 'kl_max', 'load_s'}}}."""
-    images = [path.read_bytes() for path in options.images] or [
+    """{'prompts', 'answer_tokens', 'cpu_capability', 'levels': {level: {'agreement', 'kl_mean',
+    'kl_prompt_means', 'kl_median', 'kl_p99', 'kl_max', 'positions', 'load_s', 'isa', 'kernels', 'vision_dtype',
+    'prefill_dtype'}}}."""
+    images = [image.read_bytes() for image in options.images] or [
         synthetic_photo(*options.image_size, seed=7000 + i) for i in range(options.prompts)
     ]
     exact = _load(options, "none")
     cases = []
     for index, image in enumerate(images):
         inputs = _inputs(exact.processor, image, QUESTIONS[index % len(QUESTIONS)])
-        prompt_tokens = int(inputs["input_ids"].shape[1])
-        with torch.inference_mode():
-            generated = exact.model.generate(
-                **inputs, max_new_tokens=options.answer_tokens, do_sample=False, min_new_tokens=options.answer_tokens
-            )[0]
-        reference = _answer_log_probs(exact.model, inputs, generated, prompt_tokens)
-        cases.append((inputs, generated, prompt_tokens, reference))
+        answer, reference = _answer_log_probs(exact.model, inputs, None, options.answer_tokens)
+        cases.append((inputs, answer, reference))
     del exact
-    result: dict[str, Any] = {"prompts": len(cases), "answer_tokens": options.answer_tokens, "levels": {}}
+    result: dict[str, Any] = {
+        "prompts": len(cases),
+        "answer_tokens": options.answer_tokens,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "levels": {},
+    }
     for level in options.levels:
         started = time.monotonic()
         rounded = _load(options, level)
         load_s = time.monotonic() - started
         agree, total, divergences = 0, 0, []
-        for inputs, generated, prompt_tokens, reference in cases:
-            candidate = _answer_log_probs(rounded.model, inputs, generated, prompt_tokens)
+        for inputs, answer, reference in cases:
+            _, candidate = _answer_log_probs(rounded.model, inputs, answer, options.answer_tokens)
             agree += int((candidate.argmax(-1) == reference.argmax(-1)).sum())
             total += reference.shape[0]
-            divergences.append((reference.exp() * (reference - candidate)).sum(-1))
+            divergences.append((reference.exp() * (reference - candidate)).sum(-1).clamp(min=0))
         kl = torch.cat(divergences)
+        per_prompt = [float(d.mean()) for d in divergences]
         result["levels"][level] = {
             "quantize": rounded.quantize,
             "agreement": agree / total,
             "kl_mean": float(kl.mean()),
+            "kl_prompt_means": per_prompt,  # the spread: a few sensitive positions can carry the mean
+            "kl_median": float(kl.median()),
+            "kl_p99": float(kl.quantile(0.99)),
             "kl_max": float(kl.max()),
             "positions": total,
             "load_s": round(load_s, 2),
+            **ran_on(rounded),
         }
         del rounded
     return result
@@ -115,13 +155,28 @@ def quant_check(options: CheckOptions) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     lines = [
-        "%d prompts x %d answer tokens, against the exact weights (teacher forcing)"
+        "%d prompts x %d answer tokens against the exact weights (answers forced, decoded a token at a time)"
         % (result["prompts"], result["answer_tokens"]),
-        "| level | next-token agreement | mean KL (nats) | max KL |",
-        "|---|---|---|---|",
+        "| level | next-token agreement | mean KL (nats; prompts' range) | median | p99 | max | ran on | vision, "
+        "prompts |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for level, figures in result["levels"].items():
         lines.append(
-            "| %s | %.1f%% | %.4f | %.3f |" % (level, 100 * figures["agreement"], figures["kl_mean"], figures["kl_max"])
+            "| %s | %.1f%% | %.4f (%.4f-%.4f) | %.4f | %.3f | %.3f | %s | %s, %s |"
+            % (
+                level,
+                100 * figures["agreement"],
+                figures["kl_mean"],
+                min(figures["kl_prompt_means"]),
+                max(figures["kl_prompt_means"]),
+                figures["kl_median"],
+                figures["kl_p99"],
+                figures["kl_max"],
+                figures["isa"],
+                figures["vision_dtype"],
+                figures["prefill_dtype"],
+            )
         )
+    lines.append("kernels: %s" % next(iter(result["levels"].values()), {}).get("kernels", "-"))
     return "\n".join(lines)

@@ -1,27 +1,31 @@
-"""Quantized weights: int8 (per output channel, dynamic int8 inputs) and int4 (groups of 32).
+"""Quantized weights: int8 (llama.cpp's Q8_0: a scale per block of 32 inputs) and int4 (groups of 32).
 
-The sizing policy's `quantize` level picks them (docs/service.md says what each level rounds):
+The sizing policy's `quantize` level picks them (docs/quantization.md says what each level rounds and
+what it costs):
 
-- int8: every linear layer of the language model and the output head is stored as int8, one
-  float32 scale per output channel; each input row (a token, a patch) is rounded to int8 with its
-  own scale at every call, and the integer product is exact (the usual W8A8 dynamic scheme of
-  torch's `quantize_dynamic` and OpenVINO's CPU plugin). The products are oneDNN's prepacked int8
-  kernels (`torch.ops.onednn.qlinear_*`, the ones torch's own x86 quantization lowers to): a
-  decode step reads half the bytes of bfloat16, and prompts and images, which are compute-bound,
-  run on VNNI's int8 rate. Where those kernels are missing (a torch build without oneDNN, Arm),
-  `torch._weight_int8pack_mm` multiplies the same weights with exact inputs. Where vlserve's own
-  kernels run (native.py: AVX-512 VNNI and a compiler), decode rows go through them, twice as fast,
-  with the same result, and the weights keep their plain layout: prompts and images multiply it
-  through `torch._int_mm`, measured as fast as the prepacked kernel from 64 rows up (2048x6144 and
-  6144x2048, 256 rows: 50-73 ms against 49-53 ms for eight products; 1024 rows: 281-325 against
-  284-290 ms), and the weights stay in the weight cache's file, shared by the host's workers.
+- int8: every linear layer of the language model and the output head is stored as int8 values with
+  an fp16 scale per output and block of 32 inputs; every input row is rounded the same way at each
+  call (a scale per block of 32), and the integer sums are exact. That is llama.cpp's Q8_0 x Q8_0.
+  One scale per row (the W8A8 dynamic scheme of torch's `quantize_dynamic` that this level used
+  before) let a single large channel coarsen the whole row: on a checkpoint whose inputs have four
+  channels 40 times larger than the rest (as trained models have), next-token agreement fell from
+  84% to 25%; per block the large channel coarsens its own 32 inputs only. vlserve's kernels
+  (native.py, kernels/q8.cpp) multiply these weights on AVX-512 VNNI and on AVX2 with equal
+  results, one row or thousands, at about the memory's speed for decode steps. Where they cannot
+  run, the weights keep one scale per output row and torch's weight-only product
+  (`torch._weight_int8pack_mm`) multiplies exact inputs: correct everywhere, slower on prompts.
+  oneDNN's int8 kernels are not used: on CPUs without VNNI their 16-bit pair sums saturate.
 - int4: the decoder's linear layers in 4 bits, groups of 32 weights along the input sharing a
-  scale and a zero point (min/max, as llama.cpp's Q4_1 blocks of 32), through torch's
-  `_weight_int4pack_mm_for_cpu`; the output head stays int8 (as llama.cpp's Q4_K_M keeps it wider):
-  measured on the real-size head (151936x2048, one row), int4 4.55 ms against int8 4.70 ms, no
-  faster, and 40x the KL divergence of its logits (0.0025 against 0.00006 nats on random rows).
-  That kernel dequantizes on the fly and is slow on many rows, so prompts may use an int8 copy.
-  Where vlserve's own kernels run, int4 weights take their block layout and multiply there instead.
+  scale and a zero point (min/max, as llama.cpp's Q4_1 blocks of 32), through vlserve's int4 kernel
+  (AVX-512 VNNI: inputs rounded per block of 32 as above) or torch's `_weight_int4pack_mm_for_cpu`
+  (bfloat16 inputs); the output head stays int8 (as llama.cpp's Q4_K_M keeps it wider): measured on
+  the real-size head (151936x2048, one row), int4 4.55 ms against int8 4.70 ms, no faster, and 40x
+  the KL divergence of its logits. torch's int4 kernel dequantizes on the fly and is slow on many
+  rows, so prompts may use an int8 copy.
+
+A few channels of a residual stream can be far larger than the rest in trained models; the layers
+around them keep those channels exact (vlserve/outliers.py): an `ExactChannels` weight wraps the
+rounded one.
 
 Measured with torch 2.13 at 2 threads, forty 6144x2048 products (a working set beyond the cache),
 one row, in one process: packed bfloat16 14.3 ms, int8 10.8 ms, int4 7.5 ms (groups of 32) and
@@ -40,6 +44,9 @@ from vlserve import native
 
 INT8_MAX = 127
 INT8_PREFILL_ROWS = 16  # int8 overtakes the packed bf16 product from ~8 rows (2048x6144: 1.4 vs 2.4 ms at 16)
+Q8_BLOCK = native.Q8_BLOCK  # inputs per scale of the int8 format, weights and inputs alike
+Q8_TILE = 16  # outputs per tile of its kernel's layout
+Q8_STEP = 8 * 64 + Q8_TILE * 2  # bytes per tile and block: eight lines of weights, sixteen fp16 scales
 INT4_GROUP = 32
 INT4_LEVELS = 15
 INT4_ROW_BLOCK = 16  # torch's int4 kernel holds outputs in blocks of 16
@@ -47,19 +54,11 @@ INT4_BLOCK_ROWS = 64  # vlserve's, in blocks of 64 (one stream of bytes per 64 o
 QUANTIZE_CHUNK_ROWS = 4096  # rows quantized at a time: the output head's float32 temporaries stay ~32 MB
 
 
-@functools.cache
-def onednn_int8_supported() -> bool:
-    """Whether this torch build has oneDNN's prepacked int8 products for this CPU (x86)."""
-    try:
-        _onednn_product(_onednn_pack(torch.ones(8, 32, dtype=torch.int8)), torch.ones(1, 32), torch.ones(8), None)
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
 def int8_products_supported() -> bool:
-    """Whether int8 inputs times int8 weights run here (the int8 vision tower and prompt copies need them)."""
-    return onednn_int8_supported()
+    """Whether int8 inputs times int8 weights run fast here (vlserve's int8 product: AVX-512 VNNI or
+    AVX2): the int8 vision tower and prompt copies need it; without it they would run torch's
+    weight-only product on float inputs, no faster than float32."""
+    return native.q8_linear() is not None
 
 
 @functools.cache
@@ -85,6 +84,62 @@ def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
+def quantize_blocks(matrix: torch.Tensor, scale_dtype: torch.dtype = torch.float32):
+    """Symmetric int8 per block of Q8_BLOCK along each row, as kernels/q8.cpp rounds inputs (float32
+    scales) and llama.cpp's Q8_0 weights (fp16 scales): (values (rows, in), scales (rows, in / 32))
+    with matrix ~= values * scales per block. A block whose step is 0 in `scale_dtype` is all zeros."""
+    rows, columns = matrix.shape
+    blocks = matrix.float().reshape(rows, columns // Q8_BLOCK, Q8_BLOCK)
+    scales = (blocks.abs().amax(dim=-1) / INT8_MAX).to(scale_dtype)
+    step = scales.float()[..., None]
+    values = torch.where(step > 0, blocks / step, 0.0).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return values.reshape(rows, columns), scales
+
+
+def q8_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+    """kernels/q8.cpp's product in float64: rows rounded per block, integer sums per block, each times
+    its two scales (float32, as the kernel multiplies them), summed (the kernel in float32)."""
+    q, row_scales = quantize_blocks(rows)
+    outputs, columns = values.shape
+    blocks = columns // Q8_BLOCK
+    sums = torch.einsum(
+        "rgk,ogk->rog",
+        q.double().reshape(-1, blocks, Q8_BLOCK),
+        values.double().reshape(outputs, blocks, Q8_BLOCK),
+    )
+    factors = (scales.float()[None] * row_scales[:, None]).double()  # (rows, outputs, blocks)
+    out = (sums * factors).sum(-1)
+    return out if bias is None else out + bias.double()
+
+
+def q8_tiles(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Q8_0 values (out, in) int8 and fp16 scales (out, in / 32) -> kernels/q8.cpp's layout, uint8 of
+    shape (ceil(out / 16), in / 32 * 544): per tile of 16 outputs and block of 32 inputs, eight 64-byte
+    lines whose byte 4o + i of line l holds output o's input 4l + i plus 128, then the 16 fp16 scales.
+    Outputs past `out` (to a multiple of 16) are zero weights."""
+    outputs, columns = values.shape
+    tiles, blocks = -(-outputs // Q8_TILE), columns // Q8_BLOCK
+    padding = tiles * Q8_TILE - outputs
+    shifted = (values.to(torch.int16) + 128).to(torch.uint8)
+    if padding:
+        shifted = torch.cat([shifted, torch.full((padding, columns), 128, dtype=torch.uint8)])
+        scales = torch.cat([scales, scales.new_zeros(padding, blocks)])
+    lines = shifted.reshape(tiles, Q8_TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 512)
+    scale_bytes = scales.to(torch.float16).reshape(tiles, Q8_TILE, blocks).transpose(1, 2).contiguous()
+    return torch.cat([lines, scale_bytes.view(torch.uint8)], dim=2).reshape(tiles, blocks * Q8_STEP).contiguous()
+
+
+def q8_untiled(tiles: torch.Tensor, outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q8_tiles`' inverse: (values (out, in) int8, fp16 scales (out, in / 32))."""
+    count, width = tiles.shape
+    blocks = width // Q8_STEP
+    parts = tiles.reshape(count, blocks, Q8_STEP)
+    lines = parts[..., :512].reshape(count, blocks, 8, Q8_TILE, 4).permute(0, 3, 1, 2, 4)
+    values = (lines.reshape(count * Q8_TILE, blocks * Q8_BLOCK).to(torch.int16) - 128).to(torch.int8)
+    scales = parts[..., 512:].contiguous().view(torch.float16).transpose(1, 2).reshape(count * Q8_TILE, blocks)
+    return values[:outputs], scales[:outputs]
+
+
 def _in_chunks(matrix: torch.Tensor, quantize) -> tuple[torch.Tensor, ...]:
     """`quantize` on QUANTIZE_CHUNK_ROWS rows at a time, results concatenated."""
     parts = [
@@ -94,111 +149,72 @@ def _in_chunks(matrix: torch.Tensor, quantize) -> tuple[torch.Tensor, ...]:
     return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
 
 
-def _onednn_pack(values: torch.Tensor) -> torch.Tensor:
-    return torch.ops.onednn.qlinear_prepack(values, [1, values.shape[1]])
-
-
-def shifted_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows(rows)` with its values shifted by 128 into uint8 (what oneDNN's u8s8 kernels take),
-    in fewer operations: a decode step rounds four inputs per layer, and each operation costs
-    microseconds of dispatch beside a one-row product's ~0.1 ms."""
-    wide = rows.float()
-    scales = (
-        torch.linalg.vector_norm(wide, float("inf"), dim=1).div_(INT8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
-    )
-    return (wide / scales[:, None]).round_().add_(128).clamp_(1, 255).to(torch.uint8), scales
-
-
-@functools.cache
-def _zero_points(outputs: int) -> torch.Tensor:
-    return torch.zeros(outputs, dtype=torch.long)
-
-
-def _onednn_product(packed: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """rows (n, in) float -> (n, out) float32: inputs to int8 per row, shifted to uint8 with zero point 128
-    (oneDNN's u8s8 kernels), the int32 sums rescaled by the weight's scales, then by each row's."""
-    shifted, row_scales = shifted_rows(rows)
-    out = torch.ops.onednn.qlinear_pointwise(
-        shifted, 1.0, 128, packed, scales, _zero_points(scales.shape[0]), None, 1.0, 0, torch.float32, "none", [], ""
-    )
-    out.mul_(row_scales[:, None])
-    if bias is not None:
-        out.add_(bias)
-    return out
+def _q8_tiles_of(matrix: torch.Tensor) -> tuple[torch.Tensor]:
+    return (q8_tiles(*quantize_blocks(matrix, torch.float16)),)
 
 
 class Int8Weight:
-    """A linear layer's weight (and bias) as int8 per output channel; `matmul` rounds its inputs per row.
-
-    Built with `prepack=False` (or from the weight cache, `from_tensors`) it keeps its plain int8 values
-    and multiplies them through `torch._int_mm` (oneDNN's matmul on a plain layout: measured 1.3x the
-    prepacked kernel's time for one row, 2x for 2-8) until `finish_layout` reorders them into oneDNN's
-    prepacked layout: that reorder runs at about 0.6 GB/s here (2.3 s for the language model), so the
-    loader leaves it to the worker's after-ready steps instead of making starts wait for it."""
+    """A linear layer's weight (and bias) in int8. Where vlserve's int8 product runs (native.q8_linear),
+    Q8_0 in its tiles (`tiles`), multiplied there with inputs rounded per block of 32; elsewhere one
+    scale per output row (`values`, `scales`), multiplied by torch's weight-only product with exact
+    inputs. The weight cache keeps the two layouts in separate files."""
 
     dtype = torch.int8
 
-    def __init__(
-        self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None, *, prepack: bool = True
-    ):
-        values, scales = _in_chunks(whole(weight).detach(), quantize_rows)  # (out, in) int8, (out,) float32
-        self._hold(values, scales, None if bias is None else bias.detach().float())
-        if prepack:
-            self.finish_layout()
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None):
+        weight = whole(weight).detach()
+        self.bias = None if bias is None else bias.detach().float()
+        self.shape = tuple(weight.shape)
+        if native.q8_linear() is not None and self.shape[1] % Q8_BLOCK == 0:
+            (self.tiles,) = _in_chunks(weight, _q8_tiles_of)  # QUANTIZE_CHUNK_ROWS is a multiple of 16
+            self.values = self.scales = None
+        else:
+            self.tiles = None
+            self.values, self.scales = _in_chunks(weight, quantize_rows)  # (out, in) int8, (out,) float32
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> Int8Weight:
         """The weight whose `tensors()` these are (mapped from the weight cache: not copied)."""
         weight = cls.__new__(cls)
-        weight._hold(tensors["values"], tensors["scales"], tensors.get("bias"))
+        weight.bias = tensors.get("bias")
+        if "tiles" in tensors:
+            weight.tiles, weight.values, weight.scales = tensors["tiles"], None, None
+            outputs = int(tensors["outputs"][0])
+            weight.shape = (outputs, weight.tiles.shape[1] // Q8_STEP * Q8_BLOCK)
+        else:
+            weight.tiles, weight.values, weight.scales = None, tensors["values"], tensors["scales"]
+            weight.shape = tuple(weight.values.shape)
         return weight
 
-    def _hold(self, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.values, self.scales, self.bias, self.packed = values, scales, bias, None
-        self.shape = tuple(values.shape)
-
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Plain tensors that rebuild this weight (before `finish_layout`: oneDNN's layout is opaque)."""
-        if self.values is None:
-            raise ValueError("a prepacked int8 weight no longer holds its plain values")
-        return {"values": self.values, "scales": self.scales, **({} if self.bias is None else {"bias": self.bias})}
-
-    @property
-    def layout_pending(self) -> bool:
-        """Whether `finish_layout` would reorder: not where vlserve's own kernel runs, since it reads the
-        plain layout, and `torch._int_mm` on it matched the prepacked kernel from 64 rows (native.py)."""
-        return self.packed is None and onednn_int8_supported() and native.int8_linear() is None
-
-    def finish_layout(self) -> None:
-        """Reorder into oneDNN's prepacked layout, where this CPU has it, and let go of the plain values."""
-        if self.layout_pending:
-            self.packed, self.values = _onednn_pack(self.values), None
+        """Plain tensors that rebuild this weight."""
+        if self.tiles is not None:
+            found = {"tiles": self.tiles, "outputs": torch.tensor([self.shape[0]], dtype=torch.int64)}
+        else:
+            found = {"values": self.values, "scales": self.scales}
+        return found if self.bias is None else {**found, "bias": self.bias}
 
     @property
     def nbytes(self) -> int:
-        stored = self.packed if self.packed is not None else self.values
-        return stored.nbytes + self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        stored = [self.tiles] if self.tiles is not None else [self.values, self.scales]
+        return sum(t.nbytes for t in stored) + (0 if self.bias is None else self.bias.nbytes)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (n, in) of any float dtype -> (n, out) float32 (vlserve's kernel: the rows' dtype)."""
-        if self.packed is not None:
-            return _onednn_product(self.packed, rows, self.scales, self.bias)
-        kernel = native.int8_linear()
-        if kernel is not None and rows.shape[0] <= native.MAX_ROWS and self.shape[1] % native.INPUT_MULTIPLE == 0:
-            return kernel(rows, self.values, self.scales, self.bias)  # the path below's result, bit for bit
-        if onednn_int8_supported():  # the same integer product, on the plain layout
-            values, row_scales = quantize_rows(rows)
-            out = torch._int_mm(values, self.values.t()).float().mul_(row_scales[:, None]).mul_(self.scales)
-        else:
-            out = torch._weight_int8pack_mm(rows.float(), self.values, self.scales)  # exact inputs, any CPU
+        """rows (n, in) of any float dtype -> (n, out): the rows' dtype (vlserve's kernel) or float32."""
+        if self.tiles is not None:
+            kernel = native.q8_linear()
+            if kernel is None:  # the weight cache keys its int8 files by layout: not reached in a worker
+                raise RuntimeError("an int8 weight in vlserve's layout, but its kernel is not loaded")
+            return kernel(rows if rows.dtype == torch.bfloat16 else rows.float(), self.tiles, self.bias, self.shape[0])
+        out = torch._weight_int8pack_mm(rows.float(), self.values, self.scales)  # exact inputs, any CPU
         return out if self.bias is None else out.add_(self.bias)
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight this one stands for (tests); a packed one is read back through products
-        with the identity, whose rows quantize exactly."""
-        if self.packed is None:
+        """The float32 weight this one stands for (tests)."""
+        if self.tiles is None:
             return self.values.float() * self.scales[:, None]
-        return _onednn_product(self.packed, torch.eye(self.shape[1]), self.scales, None).t().contiguous()
+        values, scales = q8_untiled(self.tiles, self.shape[0])
+        return (values.float().reshape(self.shape[0], -1, Q8_BLOCK) * scales.float()[..., None]).reshape(self.shape)
 
 
 def _int4_groups(matrix: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -325,6 +341,121 @@ class Int4Weight:
         return self._product(eye).float().t().contiguous()
 
 
+class ExactChannels:
+    """A rounded weight (`Int8Weight`, `Int4Weight`) with a few channels kept as the checkpoint has them
+    (vlserve/outliers.py says which and why): input `columns`, whose weights are kept in float32 and
+    whose inputs leave the rounded product (zeroed there) to be multiplied apart; output `rows`, whose
+    results come from the checkpoint's weights. The rounded weight holds zeros in those places, so its
+    scales are those of the rest."""
+
+    def __init__(self, inner, *, columns=None, column_weights=None, rows=None, row_weights=None, row_bias=None):
+        self.inner = inner
+        self.columns, self.column_weights = columns, column_weights
+        self.rows, self.row_weights, self.row_bias = rows, row_weights, row_bias
+        self.shape, self.dtype = inner.shape, inner.dtype
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.inner.bias
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], inner_format) -> ExactChannels:
+        extra = ("columns", "column_weights", "rows", "row_weights", "row_bias")
+        inner = inner_format.from_tensors({k: v for k, v in tensors.items() if k not in extra})
+        return cls(inner, **{name: tensors.get(name) for name in extra})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        extra = {
+            "columns": self.columns,
+            "column_weights": self.column_weights,
+            "rows": self.rows,
+            "row_weights": self.row_weights,
+            "row_bias": self.row_bias,
+        }
+        return {**self.inner.tensors(), **{name: t for name, t in extra.items() if t is not None}}
+
+    @property
+    def nbytes(self) -> int:
+        extra = (self.column_weights, self.row_weights, self.row_bias)
+        return self.inner.nbytes + sum(t.nbytes for t in extra if t is not None)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """As the inner weight's product, in float32 where a channel is kept exact."""
+        if self.columns is None:
+            out = self.inner.matmul(rows)
+        else:
+            apart = rows.index_select(1, self.columns).float() @ self.column_weights.t()
+            out = self.inner.matmul(rows.index_fill(1, self.columns, 0)).float().add_(apart)
+        if self.rows is not None:
+            exact = (
+                torch.addmm(self.row_bias, rows.float(), self.row_weights.t())
+                if self.row_bias is not None
+                else (rows.float() @ self.row_weights.t())
+            )
+            out = out.float().index_copy_(1, self.rows, exact)
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        weight = self.inner.dequantized().clone()
+        if self.columns is not None:
+            weight[:, self.columns] = self.column_weights
+        if self.rows is not None:
+            weight[self.rows] = self.row_weights
+        return weight
+
+
+class ExactFormat:
+    """A weight format (`Int8Weight`, `Int4Weight`) whose weights keep `columns` and `rows` exact: called
+    as the format is, `(weight, bias)`, and read back from the weight cache with `from_tensors`."""
+
+    def __init__(self, inner_format, columns: list[int] | None = None, rows: list[int] | None = None):
+        self.inner_format = inner_format
+        self.columns = torch.tensor(columns, dtype=torch.long) if columns else None
+        self.rows = torch.tensor(rows, dtype=torch.long) if rows else None
+        self.dtype = inner_format.dtype
+
+    def __call__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None):
+        if self.columns is None and self.rows is None:
+            return self.inner_format(weight, bias)
+        full = whole(weight).detach().float()
+        rest = full.clone()
+        column_weights = row_weights = row_bias = None
+        if self.columns is not None:
+            column_weights = full[:, self.columns].contiguous()
+            rest[:, self.columns] = 0
+        if self.rows is not None:
+            row_weights = full[self.rows].contiguous()
+            row_bias = None if bias is None else bias.detach().float()[self.rows].contiguous()
+            rest[self.rows] = 0
+        inner = self.inner_format(rest, bias)
+        return ExactChannels(
+            inner,
+            columns=self.columns,
+            column_weights=column_weights,
+            rows=self.rows,
+            row_weights=row_weights,
+            row_bias=row_bias,
+        )
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor]):
+        if "columns" in tensors or "rows" in tensors:
+            return ExactChannels.from_tensors(tensors, self.inner_format)
+        return self.inner_format.from_tensors(tensors)
+
+
+def exact_format(inner_format, name: str, channels: dict[str, list[int]] | None):
+    """`inner_format` for the layer `name`, keeping the outlier `channels` of the streams it reads and
+    writes exact (vlserve/outliers.py); the format itself where it touches none."""
+    from vlserve import outliers  # noqa: PLC0415 - a small module, imported where it is needed
+
+    if not channels:
+        return inner_format
+    reads, writes = outliers.roles(name)
+    columns = channels.get(reads) if reads else None
+    rows = channels.get(writes) if writes else None
+    return ExactFormat(inner_format, columns, rows) if columns or rows else inner_format
+
+
 class Int8Linear(torch.nn.Module):
     """`nn.Linear` through `Int8Weight`; returns the input's dtype."""
 
@@ -334,8 +465,8 @@ class Int8Linear(torch.nn.Module):
         self.weight_int8 = weight
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, prepack: bool = True) -> Int8Linear:
-        return cls(linear.in_features, linear.out_features, Int8Weight(linear.weight, linear.bias, prepack=prepack))
+    def from_linear(cls, linear: torch.nn.Linear) -> Int8Linear:
+        return cls(linear.in_features, linear.out_features, Int8Weight(linear.weight, linear.bias))
 
     @property
     def stored(self) -> Int8Weight:
@@ -354,20 +485,21 @@ class Int8Linear(torch.nn.Module):
 
 
 def quantize_vision_tower(
-    visual: torch.nn.Module, prepared=None, prefix: str = "visual", *, prepack: bool = True
+    visual: torch.nn.Module, prepared=None, prefix: str = "visual", channels: dict[str, list[int]] | None = None
 ) -> int:
     """Every linear layer of the vision tower to `Int8Linear`, the rest (norms, patch embedding) to
     float32; returns how many layers were quantized. Quantizing first spares a float32 copy of them.
     `prepared` (a weightcache.PreparedWeights): weights taken from the cache, or kept for it, by name
-    under `prefix`; `prepack=False` leaves oneDNN's layout to packing.layout_steps."""
+    under `prefix`; `channels`: the streams' outlier channels, kept exact (vlserve/outliers.py)."""
     count = 0
     for parent_name, parent in list(visual.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
                 full = ".".join(part for part in (prefix, parent_name, name) if part)
-                make = functools.partial(Int8Weight, child.weight, child.bias, prepack=prepack)
+                fmt = exact_format(Int8Weight, full, channels)
+                make = functools.partial(fmt, child.weight, child.bias)
                 shape = tuple(child.weight.shape)
-                weight = make() if prepared is None else prepared.weight(full, Int8Weight, make, shape)
+                weight = make() if prepared is None else prepared.weight(full, fmt, make, shape)
                 layer = Int8Linear(child.in_features, child.out_features, weight)
                 setattr(parent, name, layer)
                 count += 1

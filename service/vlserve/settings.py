@@ -55,22 +55,24 @@ class ModelSettings(BaseSettings):
     vision_dtype: Literal["auto", "bfloat16", "float32", "int8"] = Field(
         "auto",
         description="vision encoder dtype; auto: float32 unless the CPU has AMX (without it bfloat16 "
-        "matrix products are slower than float32 ones, and the encoder is compute-bound); int8: dynamic "
-        "int8 products (AVX-512 VNNI; about twice as fast, changes the numerics; never chosen by auto)",
+        "matrix products are slower than float32 ones, and the encoder is compute-bound); int8: Q8_0 "
+        "products through vlserve's kernels (AVX-512 VNNI or AVX2; changes the numerics; chosen by auto at "
+        "the int8 and int4 levels)",
     )
     quantize: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
         description="rounding of the language model's weights: none (exact); int8 (its linear layers and the "
-        "output head in int8 per output channel, inputs rounded per row; half the bytes per token); int4 "
-        "(the decoder's linear layers in 4-bit groups of 32, the head int8; a third of the bytes); auto: as "
-        "the sizing plan for this process decides (none wherever it fits)",
+        "output head as llama.cpp's Q8_0, a scale per block of 32, inputs rounded the same way; about half "
+        "the bytes per token); int4 (the decoder's linear layers in 4-bit groups of 32, the head int8; a "
+        "third of the bytes); both keep the residual streams' outlier channels exact; auto: as the sizing "
+        "plan for this process decides (none wherever it fits)",
     )
     prefill_dtype: Literal["auto", "bfloat16", "float32", "int8", "int4"] = Field(
         "auto",
         description="dtype of prompt-sized products in a packed bfloat16 model; auto: float32 unless the CPU "
         "has AMX (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8, in "
-        "float32 models too: an int8 copy (1.4 GB) and dynamic int8 products (about twice as fast, changes "
-        "the numerics; never chosen by auto)",
+        "float32 models too: a Q8_0 copy (1.5 GB) multiplied by vlserve's kernels (about twice as fast, "
+        "changes the numerics; chosen by auto at the int4 level)",
     )
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch threads (default: one per physical core this process may use)"
@@ -99,10 +101,10 @@ class ModelSettings(BaseSettings):
 
     native_kernels: str = Field(
         "auto",
-        description="directory where the first start builds vlserve's int8 decode kernel with the host's C++ "
-        "compiler, for every later start to load (rebuilt when its source, torch or the compiler change); used "
-        "where the CPU has AVX-512 VNNI, stock kernels elsewhere; auto: systemd's CacheDirectory=, else "
-        "~/.cache/vlserve/kernels; off: stock kernels only",
+        description="directory where the first start builds vlserve's kernels with the host's C++ compiler, "
+        "for every later start to load (rebuilt when their sources, torch or the compiler change); used where "
+        "the CPU has AVX2 (int8 products, norm, rotary) or AVX-512 VNNI (all of them), stock kernels "
+        "elsewhere; auto: systemd's CacheDirectory=, else ~/.cache/vlserve/kernels; off: stock kernels only",
     )
 
     @field_validator("weight_cache", "native_kernels")

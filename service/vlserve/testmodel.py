@@ -9,6 +9,15 @@ chat template. Random weights produce junk text: tests check shapes, counts and 
 - `tiny`: about a million parameters; builds and loads in about a second (tests, demos).
 - `real`: the true Qwen3-VL-2B-Instruct configuration (hub revision 89644892), about 4.3 GB in
   bfloat16 (benchmarks).
+
+Random weights lack what trained ones have: a few hidden channels whose activations are tens to
+thousands of times larger than the rest, in the same channels in every layer (the outlier features
+of LLM.int8() and SmoothQuant, the "massive activations" of later studies; Qwen models have them).
+They are what makes rounding activations hard. `outlier_channels` gives the checkpoint that shape:
+that many channels of the residual stream, the same in every layer, have their norm weights (the
+text decoder's input and post-attention norms, the vision blocks' two norms) multiplied by
+`outlier_scale`, so every linear layer behind a norm sees inputs with a few channels that much
+larger. Quantization is judged on such a checkpoint as well as on the plain one (docs/model.md).
 """
 
 from __future__ import annotations
@@ -227,8 +236,51 @@ def model_config(size: str = "tiny"):
     return config, tokenizer
 
 
-def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, dtype: str = "bfloat16") -> Path:
-    """Write a Qwen3-VL checkpoint with random weights to `directory` and return its path."""
+OUTLIER_SCALE = 40.0  # how much larger the outlier channels' norm weights are (the issue's measured case)
+# The norms whose weights carry the outlier channels: they feed q/k/v and gate/up in the decoder, and
+# the attention and the MLP of each vision block.
+TEXT_OUTLIER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+VISION_OUTLIER_NORMS = ("norm1.weight", "norm2.weight")
+
+
+def outlier_channels(width: int, count: int, seed: int) -> list[int]:
+    """The `count` channels of a `width`-wide residual stream that carry outliers (seeded, sorted)."""
+    import torch  # noqa: PLC0415
+
+    if not 0 <= count <= width:
+        raise ValueError("outlier channels must be between 0 and %d, not %d" % (width, count))
+    generator = torch.Generator().manual_seed(seed)
+    return sorted(torch.randperm(width, generator=generator)[:count].tolist())
+
+
+def add_outlier_channels(model, count: int, scale: float, seed: int) -> dict[str, list[int]]:
+    """Multiply `count` fixed channels of every outlier norm's weight by `scale`; returns the channels."""
+    import torch  # noqa: PLC0415
+
+    channels = {
+        "text": outlier_channels(model.config.text_config.hidden_size, count, seed),
+        "vision": outlier_channels(model.config.vision_config.hidden_size, count, seed + 1),
+    }
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.startswith("model.language_model.layers.") and name.endswith(TEXT_OUTLIER_NORMS):
+                parameter[channels["text"]] *= scale
+            elif name.startswith("model.visual.blocks.") and name.endswith(VISION_OUTLIER_NORMS):
+                parameter[channels["vision"]] *= scale
+    return channels
+
+
+def make_test_model(
+    directory: str | Path,
+    size: str = "tiny",
+    *,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    outliers: int = 0,
+    outlier_scale: float = OUTLIER_SCALE,
+) -> Path:
+    """Write a Qwen3-VL checkpoint with random weights to `directory` and return its path; `outliers`
+    channels of the residual streams carry activations `outlier_scale` times larger (module doc)."""
     import torch  # noqa: PLC0415
     from transformers import GenerationConfig, Qwen3VLForConditionalGeneration  # noqa: PLC0415
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa: PLC0415
@@ -238,6 +290,7 @@ def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, dt
     from vlserve.processor import ImageOnlyQwen3VLProcessor  # noqa: PLC0415
 
     config, tokenizer = model_config(size)  # refuses an unknown size before anything is written
+    outlier_channels(min(config.text_config.hidden_size, config.vision_config.hidden_size), outliers, seed)
     spec = SIZES[size]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -257,6 +310,7 @@ def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, dt
             for weight in model.parameters():
                 if weight.dim() >= 2:
                     weight.normal_(0.0, 2.0 / weight.shape[-1] ** 0.5)
+    channels = add_outlier_channels(model, outliers, outlier_scale, seed) if outliers else None
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
@@ -290,6 +344,8 @@ def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, dt
                 "dtype": dtype,
                 "random_weights": True,
                 "parameters": sum(p.numel() for p in model.parameters()),
+                "outlier_channels": channels,
+                "outlier_scale": outlier_scale if outliers else None,
             },
             indent=2,
         )

@@ -2,9 +2,10 @@
 
 Rounding the language model to int8 or int4 costs 47-60 ms per 6144x2048 weight here, 9-11 s for
 Qwen3-VL-2B at every start, and its results depend only on the checkpoint, the level and the code.
-So the first start writes them to one safetensors file per model and level (`<root>/<model>-<level>
-.safetensors`), and later starts map that file instead: nothing is copied at load, and workers on
-one host share its pages in the page cache.
+So the first start writes them to one safetensors file per model, level and kernel layout
+(`<root>/<model>-<path digest>-<level>-<layouts>.safetensors`, e.g. `...-int8-q8tiles`,
+`...-int4-q8tiles-blocks`), with the outlier channels it keeps exact, and later starts map that
+file instead: nothing is copied at load, and workers on one host share its pages in the page cache.
 
 A cache file is used only when the key in its header equals the one this process computes: the
 checkpoint's files (names, sizes, modification times, a digest of each safetensors header), the
@@ -35,7 +36,7 @@ from vlserve.quantized import INT4_GROUP
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the tensors a weight format stores, or their placement in the file, change
+FORMAT = 3  # bump when the tensors a weight format stores, or their placement in the file, change
 KEY_FIELD = "vlserve_weight_cache_key"
 # Every tensor starts at a multiple of this in the file, so at a cache-line boundary in the map. torch's
 # int4 kernel reads a weight that starts 16 bytes past a boundary 50% slower (33.7 ms against 22.3 ms
@@ -73,6 +74,7 @@ def cache_key(model_dir: Path, level: str) -> dict[str, Any]:
         "format": FORMAT,
         "level": level,
         "int4_group": INT4_GROUP,
+        "int8_layout": native.int8_layout(),
         **({"int4_layout": native.int4_layout()} if level == "int4" else {}),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -122,8 +124,9 @@ class WeightCache:
     def __init__(self, root: Path, model_dir: Path, level: str):
         self.model_dir, self.level = model_dir, level
         place = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
-        # int4 weights in each kernel's layout have a file each: switching kernels rounds nothing again.
-        variant = "%s-%s" % (level, native.int4_layout()) if level == "int4" else level
+        # Weights in each kernel's layout have a file each: switching kernels rounds nothing again.
+        layouts = [native.int8_layout(), *([native.int4_layout()] if level == "int4" else [])]
+        variant = "-".join([level, *layouts])
         self.path = root / ("%s-%s-%s.safetensors" % (model_dir.resolve().name, place, variant))
         self.key = cache_key(model_dir, level)
 

@@ -13,7 +13,7 @@ import struct
 import time
 from pathlib import Path
 
-from vlserve.sizing import QUANTIZED_BYTES_PER_8_WEIGHTS
+from vlserve.sizing import QUANTIZED_BYTES_PER_32_WEIGHTS
 
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "bfloat16": 2, "float32": 4}
 
@@ -84,7 +84,7 @@ def decode_bytes_per_token(model: Path, dtype: str, quantize: str = "none") -> i
     """Bytes of weights one decode step reads at `dtype`: the language model without its input
     embedding table, plus the output head (the embedding's weights again when they are tied).
     At a quantize level the decoder's linear layers read their quantized bytes (scales included) and
-    the head one byte a weight (vlserve/quantized.py)."""
+    the head too, in int8 (vlserve/quantized.py)."""
     tensors = safetensors_index(model)
     config = json.loads((model / "config.json").read_text())
     tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
@@ -107,4 +107,5 @@ def decode_bytes_per_token(model: Path, dtype: str, quantize: str = "none") -> i
     head = head or (embedding if tied else 0)
     if quantize == "none":
         return (total + linear + head) * width
-    return total * width + linear * QUANTIZED_BYTES_PER_8_WEIGHTS[quantize] // 8 + head
+    head_bytes = head * QUANTIZED_BYTES_PER_32_WEIGHTS["int8"] // 32  # the head is int8 at both levels
+    return total * width + linear * QUANTIZED_BYTES_PER_32_WEIGHTS[quantize] // 32 + head_bytes

@@ -5,16 +5,8 @@
 // int8 kernels (torch._int_mm and the prepacked ones) about half of it, and the int4 kernel
 // (_weight_int4pack_mm_for_cpu) is bound by its dequantization to bfloat16. Both products here keep
 // the weights as integers and multiply them with inputs rounded to int8 through vpdpbusd (AVX-512
-// VNNI: 64 byte products a instruction), several weight rows in flight per thread.
-//
-// int8_linear: weights in their plain (out, in) int8 layout, the one the weight cache maps, one
-// scale per output. The inputs are rounded exactly as vlserve.quantized.quantize_rows rounds them
-// (symmetric int8 per row: scale = max|x| / 127, q = round-half-even(x / scale), clamped to +-127),
-// the int32 sums are exact, and the rescaling multiplies in the same order as the Python path ((sum *
-// row scale) * weight scale, then + bias; built without FMA contraction): the result equals that
-// path's bit for bit. vpdpbusd multiplies unsigned bytes by signed ones, so the inputs are stored
-// shifted by 128: sum((q + 128) * w) - 128 * sum(w) = sum(q * w), where sum(w) comes from one more
-// vpdpbusd of the same weight bytes with ones, shared by every row of the step.
+// VNNI: 64 byte products a instruction), several weight rows in flight per thread. The int8 product,
+// for every row count and on AVX2 too, is q8.cpp's.
 //
 // int4_linear: weights as levels 0..15 in groups of 32 inputs with a bfloat16 scale and low value per
 // group and output (w = level * scale + low), in this file's block layout (vlserve.quantized.int4_blocks),
@@ -25,14 +17,14 @@
 // each (llama.cpp's Q8_0 for its Q4 products): a group's sum is then
 // scale_w * scale_x * sum(level * q) + low * scale_x * sum(q).
 //
-// Both take float32 or bfloat16 rows and return the rows' dtype (bfloat16 rounded from the float32
-// result): a decode step converts nothing around them.
+// It takes float32 or bfloat16 rows and returns the rows' dtype (bfloat16 rounded from the float32
+// result): a decode step converts nothing around it.
 //
 // bf16_linear: the exact level's weights, plain (out, in) bfloat16, times 1-4 bfloat16 rows through
 // vdpbf16ps (AVX-512 BF16: 32 products a instruction, float32 sums), rounded to bfloat16 once. On
 // CPUs with AMX, oneDNN runs such one-row products on AMX tiles and its speed swings between about
-// 9 and 20 GB/s from one call to the next; streamed as the int8 product is, they hold the memory's
-// read speed. The sums add in another order than oneDNN's, so a result may differ from its by a
+// 9 and 20 GB/s from one call to the next; streamed, several weight rows in flight per thread, they
+// hold the memory's read speed. The sums add in another order than oneDNN's, so a result may differ from its by a
 // rounding of bfloat16.
 //
 // rms_norm, rotary and one_query_attention: the decoder layer's small operations, each one call
@@ -62,9 +54,8 @@
 #include <vector>
 
 namespace {
-constexpr int64_t kChunk = 64;   // input bytes per vpdpbusd
 constexpr int64_t kOutTile = 4;  // weight rows streamed together by one thread
-constexpr int64_t kMaxRows = 4;  // int8_linear's and bf16_linear's rows per call: a decode batch of up to four
+constexpr int64_t kMaxRows = 4;  // bf16_linear's rows per call: a decode batch of up to four
 constexpr int64_t kBf16Chunk = 32;  // bfloat16 inputs per vdpbf16ps
 constexpr int64_t kGroup = 32;   // int4: inputs per scale and low value, and per input scale
 constexpr int64_t kBlock = 16;   // int4: outputs per tile
@@ -88,116 +79,6 @@ __attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, at::BF
   for (int i = 0; i < 16; ++i) out[i] = at::BFloat16(wide[i]);
 }
 
-template <typename T>
-__attribute__((target("avx512f,avx512bw"))) void round_row(const T* x, int64_t k, uint8_t* shifted, float* scale) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + i)));
-  const float d = std::max(_mm512_reduce_max_ps(amax) / 127.f, FLT_MIN);
-  *scale = d;
-  const __m512 vd = _mm512_set1_ps(d), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
-  const __m512i shift = _mm512_set1_epi32(128);
-  for (int64_t i = 0; i < k; i += 16) {
-    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), vd),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-    _mm_storeu_si128((__m128i*)(shifted + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), shift)));
-  }
-}
-
-template <int M, typename O>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void store(int64_t n, const __m512i* acc, __m512i sum,
-                                                                          const float* xs, const float* ws,
-                                                                          const float* bias, O* out, int64_t ldo) {
-  const int32_t correction = 128 * _mm512_reduce_add_epi32(sum);
-  for (int r = 0; r < M; ++r) {
-    float y = (float)(_mm512_reduce_add_epi32(acc[r]) - correction) * xs[r] * ws[n];
-    out[r * ldo + n] = O(bias ? y + bias[n] : y);
-  }
-}
-
-// Outputs n0..n1 of M rows.
-template <int M, typename O>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void outputs(const int8_t* w, int64_t k, int64_t n0,
-                                                                    int64_t n1, const uint8_t* a, const float* xs,
-                                                                    const float* ws, const float* bias, O* out,
-                                                                    int64_t ldo) {
-  const int64_t chunks = k / kChunk;
-  const __m512i ones = _mm512_set1_epi8(1);
-  int64_t n = n0;
-  for (; n + kOutTile <= n1; n += kOutTile) {
-    __m512i acc[kOutTile][M], sum[kOutTile];
-    for (int t = 0; t < kOutTile; ++t) {
-      sum[t] = _mm512_setzero_si512();
-      for (int r = 0; r < M; ++r) acc[t][r] = _mm512_setzero_si512();
-    }
-    const int8_t* base = w + n * k;
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512i x[M];
-      for (int r = 0; r < M; ++r) x[r] = _mm512_loadu_si512(a + r * k + c * kChunk);
-      for (int t = 0; t < kOutTile; ++t) {
-        const int8_t* p = base + t * k + c * kChunk;
-        _mm_prefetch((const char*)(p + 1024), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(p);
-        sum[t] = _mm512_dpbusd_epi32(sum[t], ones, v);
-        for (int r = 0; r < M; ++r) acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], x[r], v);
-      }
-    }
-    for (int t = 0; t < kOutTile; ++t) store<M, O>(n + t, acc[t], sum[t], xs, ws, bias, out, ldo);
-  }
-  for (; n < n1; ++n) {
-    __m512i acc[M], sum = _mm512_setzero_si512();
-    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_si512();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512i v = _mm512_loadu_si512(w + n * k + c * kChunk);
-      sum = _mm512_dpbusd_epi32(sum, ones, v);
-      for (int r = 0; r < M; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512(a + r * k + c * kChunk), v);
-    }
-    store<M, O>(n, acc, sum, xs, ws, bias, out, ldo);
-  }
-}
-
-template <typename T>
-at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& bias) {
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  std::vector<uint8_t> a(m * k);
-  float xs[kMaxRows];
-  for (int64_t r = 0; r < m; ++r) round_row(x.data_ptr<T>() + r * k, k, a.data() + r * k, xs + r);
-  at::Tensor out = at::empty({m, n}, x.options());
-  const int8_t* pw = weight.data_ptr<int8_t>();
-  const float* ps = scales.data_ptr<float>();
-  const float* pb = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  T* po = out.data_ptr<T>();
-  const int64_t tiles = (n + kOutTile - 1) / kOutTile;
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * kOutTile, n1 = std::min(n, t1 * kOutTile);
-    switch (m) {
-      case 1: outputs<1, T>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
-      case 2: outputs<2, T>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
-      case 3: outputs<3, T>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
-      default: outputs<4, T>(pw, k, n0, n1, a.data(), xs, ps, pb, po, n); break;
-    }
-  });
-  return out;
-}
-
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "int8_linear: x must be (rows, in) and weight (out, in)");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.size(1) == k,
-              "int8_linear: weight must be contiguous int8 of shape (out, ", k, ")");
-  TORCH_CHECK(k % kChunk == 0, "int8_linear: inputs must come in multiples of ", kChunk, ", not ", k);
-  TORCH_CHECK(m >= 1 && m <= kMaxRows, "int8_linear: 1 to ", kMaxRows, " rows, not ", m);
-  TORCH_CHECK(scales.numel() == n, "int8_linear: one scale per output");
-  const at::Tensor ws = scales.to(at::kFloat).contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "int8_linear: one bias per output");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  if (x.scalar_type() == at::kBFloat16) return int8_rows<at::BFloat16>(x.contiguous(), weight, ws, b);
-  return int8_rows<float>(x.to(at::kFloat).contiguous(), weight, ws, b);
-}
 // int4 ---------------------------------------------------------------------------------------------
 
 // One row in blocks of 32: q (int8), each block's scale, and each block's scale times its sum of q.
@@ -601,7 +482,6 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& key, const
 }  // namespace
 
 TORCH_LIBRARY(vlserve, lib) {
-  lib.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor blocks) -> Tensor");
   lib.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -609,7 +489,6 @@ TORCH_LIBRARY(vlserve, lib) {
   lib.def("one_query_attention(Tensor q, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(vlserve, CPU, lib) {
-  lib.impl("int8_linear", int8_linear);
   lib.impl("int4_linear", int4_linear);
   lib.impl("bf16_linear", bf16_linear);
   lib.impl("rms_norm", rms_norm);

@@ -26,14 +26,14 @@ from .cores import default_threads
 from .cpulist import format_cpu_list, parse_cpu_list
 from .dtypes import auto_levels, int8_products, native_bfloat16, plan_prefill_dtype, plan_vision_dtype
 from .footprints import (
-    COMPUTE_BYTES,
+    COMPUTE_BYTES_PER_32,
     DTYPE_BYTES,
     FOOTPRINTS,
     KV_CHUNK_TOKENS,
     MEMORY_GUARD_FRACTION,
     MIN_CONTEXT_TOKENS,
     QUANTIZE_LEVELS,
-    QUANTIZED_BYTES_PER_8_WEIGHTS,
+    QUANTIZED_BYTES_PER_32_WEIGHTS,
     ModelFootprint,
     worker_memory,
 )
@@ -44,7 +44,7 @@ from .render import dumps, render_facts, render_plan
 from .validate import FactsError, check_facts
 
 __all__ = [
-    "COMPUTE_BYTES",
+    "COMPUTE_BYTES_PER_32",
     "DTYPE_BYTES",
     "FACTS_SCHEMA",
     "FOOTPRINTS",
@@ -55,7 +55,7 @@ __all__ = [
     "MIB",
     "MIN_CONTEXT_TOKENS",
     "PLAN_SCHEMA",
-    "QUANTIZED_BYTES_PER_8_WEIGHTS",
+    "QUANTIZED_BYTES_PER_32_WEIGHTS",
     "QUANTIZE_LEVELS",
     "FactsError",
     "ModelFootprint",

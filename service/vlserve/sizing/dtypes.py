@@ -33,28 +33,50 @@ def native_bfloat16(cpu: dict[str, Any]) -> bool:
 
 
 def int8_products(cpu: dict[str, Any]) -> bool:
-    """Whether the service's int8 products (oneDNN's u8s8 kernels) beat float32 on compute-bound work
-    here: x86 with AVX2 or better. Measured on 64-row products (24 x 6144x2048, 2 threads): with AVX-512
-    VNNI int8 27 ms against float32 321 ms; the same CPU held to AVX2 (ATEN_CPU_CAPABILITY=avx2,
-    ONEDNN_MAX_CPU_ISA=AVX2) int8 114 ms against float32 250 ms and emulated bfloat16 678 ms.
-    Arm's i8mm is not used by these kernels."""
+    """Whether the service's int8 products (vlserve's Q8_0 kernels, service/vlserve/kernels/q8.cpp) beat
+    float32 on compute-bound work here: x86 with AVX2 or better. With AVX-512 VNNI, 64-row products (24 x
+    6144x2048, 2 threads) took int8 27 ms against float32 321 ms; held to AVX2 (ATEN_CPU_CAPABILITY=avx2,
+    ONEDNN_MAX_CPU_ISA=AVX2) a 256-token prompt took 3.96 s at int8 against 4.37 s in float32
+    (bench-decode, 2026-12-03, docs/quantization.md). Arm's i8mm is not used by these kernels."""
     isa = cpu["isa"]
     return not is_arm(cpu) and bool(isa.get("avx2") or isa.get("avx512_vnni") or isa.get("amx_int8"))
 
 
-def int8_decodes_fast(cpu: dict[str, Any]) -> bool:
-    """Whether int8 weights decode faster than int4 ones here: with VNNI or AMX (one row, 24 x 6144x2048,
-    2 threads: int8 5.7 ms, int4 4.5 ms, close). Held to AVX2 the same products took int8 22.5 ms,
-    int4 15.4 ms and plain bfloat16 14.3 ms: without VNNI, int8 is the slower and the larger."""
+def quantized_isa(cpu: dict[str, Any]) -> str | None:
+    """The ISA on which the int8 and int4 levels' accuracy is established for this CPU, or None.
+
+    vlserve's kernels (service/vlserve/kernels/q8.cpp) round and multiply int8 the same way on AVX-512
+    VNNI and on AVX2, bit for bit, and quant-check and the test suite measure both (the suite runs
+    held to AVX2 too: docs/quantization.md). Elsewhere (Arm, x86 without AVX2) torch's own kernels
+    would serve, whose accuracy this project has not measured."""
     isa = cpu["isa"]
-    return is_arm(cpu) or bool(isa.get("avx512_vnni") or isa.get("amx_int8"))
+    if is_arm(cpu):
+        return None
+    if isa.get("avx512_vnni") and isa.get("avx512f"):
+        return "AVX-512 VNNI"
+    return "AVX2" if isa.get("avx2") else None
+
+
+def quantize_checked(cpu: dict[str, Any], level: str) -> str:
+    """What a plan says of a quantize level's accuracy on this CPU."""
+    if level == "none":
+        return ""
+    checked = quantized_isa(cpu)
+    if checked:
+        return "accuracy established on %s (docs/quantization.md)" % checked
+    why = "Arm" if is_arm(cpu) else "x86 without AVX2"
+    return "accuracy not established on this CPU (%s: measure it with vlserve quant-check)" % why
 
 
 def auto_levels(cpu: dict[str, Any]) -> tuple[tuple[str, ...], str]:
-    """The quantize levels `auto` tries, in order, and why int8 is left out where it is."""
-    if int8_decodes_fast(cpu):
-        return ("none", "int8", "int4"), ""
-    return ("none", "int4"), "int8 left out: without AVX-512 VNNI its decode measured slower than int4's"
+    """The quantize levels `auto` tries, in order, and why a level is left out where it is: only levels
+    whose accuracy is established on this CPU's ISA. int8 comes before int4 on every such CPU: it is
+    the more accurate (mean KL 0.0016 against 0.038 on the real-size checkpoint) and, through vlserve's
+    Q8_0 kernel, the faster to decode on AVX2 too (held to AVX2: 65 ms a step against int4's 123 ms,
+    bench-decode, 2026-12-03; oneDNN's int8 product had taken longer than int4's there)."""
+    if quantized_isa(cpu) is None:
+        return ("none",), "int8 and int4 left out: their accuracy is established on x86 with AVX2 or better only"
+    return ("none", "int8", "int4"), ""
 
 
 def packed_weights_supported(cpu: dict[str, Any]) -> bool:
@@ -156,7 +178,7 @@ def _compute_dtype(cpu: dict[str, Any], dtype: str, quantize: str, *, work: str,
     if quantize == "none":
         return chosen
     if is_arm(cpu):
-        return chosen[0], chosen[1] + "; not int8: its int8 products are oneDNN's x86 kernels"
+        return chosen[0], chosen[1] + "; not int8: its int8 products are vlserve's x86 kernels"
     if not int8_products(cpu):
         return chosen[0], chosen[1] + "; not int8: no AVX2 (int8 would be slower)"
     return "int8", "quantize=%s: %s through dynamic int8 products (numerics change)" % (

@@ -48,12 +48,15 @@ FOOTPRINTS = {
 }
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
-COMPUTE_BYTES = DTYPE_BYTES | {"int8": 1}  # the vision tower's and the prefill copy's dtypes may also be int8
-# Bytes per weight of the decoder's linear layers at each quantize level, scales included
-# (vlserve/quantized.py): int8 one float32 scale per output row (~0); int4 half a byte plus a
-# scale and a zero point (bfloat16, 4 bytes) per group of 32. The output head is int8 at both.
-QUANTIZED_BYTES_PER_8_WEIGHTS = {"int8": 8, "int4": 5}
-QUANTIZE_LEVELS = ("none", *QUANTIZED_BYTES_PER_8_WEIGHTS)
+# Bytes per 32 weights, scales included (vlserve/quantized.py): int8 is llama.cpp's Q8_0, a byte a
+# weight and an fp16 scale per block of 32 (where vlserve's kernels run; one float32 scale a row
+# elsewhere, a little less); int4 half a byte a weight and a bfloat16 scale and zero point per group
+# of 32. The vision tower's and the prefill copy's dtypes may be int8 too; the output head is int8 at
+# both levels. A checkpoint with outlier channels keeps at most 32 of them exact per stream (in
+# float32, vlserve/outliers.py): up to ~80 MB for Qwen3-VL-2B, inside the runtime's allowance.
+COMPUTE_BYTES_PER_32 = {"bfloat16": 64, "float32": 128, "int8": 34}
+QUANTIZED_BYTES_PER_32_WEIGHTS = {"int8": 34, "int4": 20}
+QUANTIZE_LEVELS = ("none", *QUANTIZED_BYTES_PER_32_WEIGHTS)
 
 # A worker refuses new requests (503, memory_pressure) once its anonymous memory passes this share of
 # MemoryHigh, before the kernel starts throttling it (vlserve/engine.py reads it from its own cgroup).
@@ -85,14 +88,14 @@ def worker_memory(
     weights = footprint.parameters * width
     if quantize != "none":
         weights -= footprint.text_linear_parameters * width
-        weights += footprint.text_linear_parameters * QUANTIZED_BYTES_PER_8_WEIGHTS[quantize] // 8
-        weights += footprint.tied_head_parameters  # its int8 copy
+        weights += footprint.text_linear_parameters * QUANTIZED_BYTES_PER_32_WEIGHTS[quantize] // 32
+        weights += footprint.tied_head_parameters * COMPUTE_BYTES_PER_32["int8"] // 32  # its int8 copy
     elif packed:
         weights += footprint.tied_head_parameters * width
     if vision_dtype is not None:
-        weights += footprint.vision_parameters * (COMPUTE_BYTES[vision_dtype] - width)
+        weights += footprint.vision_parameters * (COMPUTE_BYTES_PER_32[vision_dtype] - 32 * width) // 32
     if prefill_dtype is not None and prefill_dtype not in (dtype, quantize):
-        weights += footprint.text_linear_parameters * COMPUTE_BYTES[prefill_dtype]
+        weights += footprint.text_linear_parameters * COMPUTE_BYTES_PER_32[prefill_dtype] // 32
     kv_tokens = batch_size * (context_tokens + KV_CHUNK_TOKENS)  # each sequence's buffer may hold a chunk spare
     kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * kv_tokens
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes

@@ -12,7 +12,7 @@ from typing import Any
 
 from .common import PLAN_SCHEMA, PlanError, gib
 from .cores import place_workers, plan_cores
-from .dtypes import auto_levels, plan_dtype
+from .dtypes import auto_levels, plan_dtype, quantize_checked
 from .fitting import WorkerFit, fit_worker, plan_memory_budget
 from .footprints import FOOTPRINTS, QUANTIZE_LEVELS
 from .knobs import plan_knobs
@@ -113,13 +113,16 @@ def _fit_at_a_level(
         except PlanError as error:
             refusals.append(str(error))
             continue
+        checked = quantize_checked(cpu, level)
         if policy.quantize != "auto":
-            return dtype, dtype_why, fit, "set by policy"
+            return dtype, dtype_why, fit, "set by policy" + ("; " + checked if checked else "")
         if level == "none":
             return dtype, dtype_why, fit, "auto: exact weights, one worker fits"
-        why = "auto: %s, as the exact weights do not fit (%s)" % (level, refusals[0])
+        why = "auto: %s, as the exact weights do not fit (%s); %s" % (level, refusals[0], checked)
         return dtype, dtype_why, fit, why + ("; " + order_why if order_why else "")
     message = refusals[-1]
+    if policy.quantize == "auto" and order_why:
+        message += "; " + order_why
     if policy.quantize != "auto":
         smaller = QUANTIZE_LEVELS[QUANTIZE_LEVELS.index(policy.quantize) + 1 :]
         for level in [level for level in order if level in smaller]:

@@ -34,9 +34,10 @@ class Policy:
         default="auto",
         metadata={
             "help": "rounding of the weights: none (exact), int8 (the language model's linear layers and the "
-            "output head in int8, inputs rounded per row; images too with AVX-512 VNNI or AMX), int4 (the "
+            "output head as llama.cpp's Q8_0, inputs rounded per block of 32 too; images too), int4 (the "
             "decoder's linear layers in 4-bit groups of 32, the head int8); auto: none wherever one worker "
-            "fits, else the widest level that does"
+            "fits, else the widest level that does, among those whose accuracy is established on the CPU's "
+            "ISA (x86 with AVX2 or better)"
         },
     )
     min_threads_per_worker: int = field(

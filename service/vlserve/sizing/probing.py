@@ -142,6 +142,10 @@ def _probe_cpu(tree: _Tree, libraries: bool, sources: dict[str, str]) -> dict[st
             sources["cpu_model"] = "/proc/cpuinfo"
     else:
         sources["cpu_model"] = "/proc/cpuinfo"
+    if tree.live and _held_to_avx2(flags):
+        # torch in this process will not run what lies above AVX2: a plan counting on it would be wrong.
+        flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
+        sources["isa"] += ", held to AVX2 by ATEN_CPU_CAPABILITY"
 
     online = parse_cpu_list(tree.read("/sys/devices/system/cpu/online"))
     topology = []
@@ -211,6 +215,13 @@ def _probe_cpu(tree: _Tree, libraries: bool, sources: dict[str, str]) -> dict[st
         "isa": {name: name in flags for name in ISA_FLAGS},
         "topology": topology,
     }
+
+
+def _held_to_avx2(flags: set[str]) -> bool:
+    """ATEN_CPU_CAPABILITY=avx2 (how an AVX2 host is imitated, or an operator's choice) on a CPU with more."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" and any(
+        f.startswith(("avx512", "amx")) for f in flags
+    )
 
 
 def _efficiency_cpus(tree: _Tree, topology: list[dict[str, Any]], sources: dict[str, str]) -> list[int]:
