@@ -11,8 +11,9 @@ _PACKAGE = _REPO / "service" / "vlserve"
 
 
 def _load(name: str):
-    """A module (or subpackage) of the vlserve package by path, so the controller needs nothing installed."""
-    qualified = "vlserve_for_filters_" + name
+    """A module (or subpackage) of the vlserve package by its path below it ("ops/units"), so the
+    controller needs nothing installed."""
+    qualified = "vlserve_for_filters_" + name.replace("/", "_")
     if qualified not in sys.modules:
         package = _PACKAGE / name
         if package.is_dir():  # its relative imports resolve below the qualified name
@@ -66,17 +67,17 @@ class FilterModule:
             # [0, 1, 2, 5] -> "0-2,5", the form of AllowedCPUs=, taskset and the kernel
             "vlserve_cpu_list": _load("sizing").format_cpu_list,
             # plan + the deploy role's options -> the unit templates' context
-            "vlserve_units_context": _load("units").units_context,
+            "vlserve_units_context": _load("ops/units").units_context,
             # the service hosts of a group + hostvars -> the fleet front's servers, then its template context
-            "vlserve_fleet_backends": lambda hosts, hostvars: _load("units").fleet_backends(hosts, hostvars),
-            "vlserve_fleet_context": _load("units").fleet_context,
+            "vlserve_fleet_backends": lambda hosts, hostvars: _load("ops/units").fleet_backends(hosts, hostvars),
+            "vlserve_fleet_context": _load("ops/units").fleet_context,
             # files and directories on the controller -> one sha256 of their contents (the rollout's fingerprint)
             "vlserve_tree_digest": _tree_digest,
             # the service directory -> the sha256 of the package's files a host gets (its archive's name)
             "vlserve_source_digest": _source_digest,
             # every host's audit report -> the fleet's summary, and its table
-            "vlserve_fleet_summary": _load("audit").fleet_summary,
-            "vlserve_render_fleet": _load("audit").render_fleet,
+            "vlserve_fleet_summary": _load("ops/audit").fleet_summary,
+            "vlserve_render_fleet": _load("ops/audit").render_fleet,
             # {name: value} -> one line per unknown setting or value a worker would refuse
             "vlserve_settings_problems": lambda values, prefix="": _load("settings").settings_problems(values, prefix),
         }

@@ -24,7 +24,7 @@ import yaml
 
 from conftest import REPO, TOPOLOGIES, run_tool
 from vlserve import sizing
-from vlserve.audit import TUNING_FILES
+from vlserve.ops.audit import TUNING_FILES
 
 
 def playbook(*args, check=True):
@@ -64,6 +64,8 @@ def test_facts_role_specs_mirror_the_sizing_policy():
         assert option["type"] == kinds.get(base[0], "raw"), field.name
         assert option.get("default") == field.default, field.name
         assert option["description"] == field.metadata["help"], field.name
+        # The choices too: the quantize levels and dtypes come from sizing/contract.py through the policy.
+        assert tuple(option.get("choices", ())) == field.metadata.get("choices", ()), field.name
 
 
 def etc_state():
@@ -209,7 +211,7 @@ def test_tuning_roles_take_their_paths_from_the_audit():
 
 
 def test_captured_facts_that_break_the_schema_fail_with_one_line():
-    facts = json.loads((TOPOLOGIES / "this-machine.json").read_text())
+    facts = json.loads((TOPOLOGIES / "xeon-avx512bf16-2vcpu-vm.json").read_text())
     facts["cpu"]["physical_cores"] = -16
     result = playbook("playbooks/audit.yml", "-e", json.dumps({"vlserve_facts_captured": facts}))
     assert result.returncode == 2, result.stdout

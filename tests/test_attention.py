@@ -1,4 +1,4 @@
-"""The decode step's attention (vlserve/attention.py): sdpa's answer within bfloat16's rounding."""
+"""The decode step's attention (vlserve/model/attention.py): sdpa's answer within bfloat16's rounding."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlserve import attention, native
-from vlserve.kvcache import new_cache
-from vlserve.loader import load_model
+from vlserve.kernels import native, reference
+from vlserve.model import attention
+from vlserve.model.loader import load_model
+from vlserve.runtime.kvcache import new_cache
 from vlserve.settings import LimitSettings, ModelSettings
 
 
@@ -29,20 +30,20 @@ def _reference(query, key, value, mask):
     return out.transpose(1, 2)
 
 
-def _max_error(out, reference):
-    return (out.float() - reference).abs().max().item()
+def _max_error(out, expected):
+    return (out.float() - expected).abs().max().item()
 
 
 @pytest.mark.parametrize("batch,length", [(1, 7), (3, 300)])
 def test_one_query_attention_is_as_close_to_float32_as_sdpa_in_bfloat16(batch, length):
     query, key, value = _inputs(batch, length)
-    reference = _reference(query, key, value, None)
-    ours = attention.one_query_attention(query, key, value, None, scaling=0.088)
+    expected = _reference(query, key, value, None)
+    ours = reference.one_query_attention(query, key, value, None, scaling=0.088)
     sdpa = F.scaled_dot_product_attention(query, key, value, scale=0.088, enable_gqa=True).transpose(1, 2)
     assert ours.shape == (batch, 1, 16, 128) and ours.dtype == torch.bfloat16
     # Both round probabilities and outputs to bfloat16 (~0.4% of a value near 1); scores rounded to
     # bfloat16 as well would add errors of several times that with these wide keys.
-    assert _max_error(ours, reference) <= max(2 * _max_error(sdpa, reference), 0.02)
+    assert _max_error(ours, expected) <= max(2 * _max_error(sdpa, expected), 0.02)
 
 
 @pytest.mark.parametrize("boolean", [True, False])
@@ -52,19 +53,19 @@ def test_padding_masks_are_honoured(boolean):
     attends[1, ..., :25] = False  # the second sequence is left-padded by 25 positions
     additive = torch.zeros(attends.shape, dtype=query.dtype).masked_fill_(~attends, float("-inf"))
     mask = attends if boolean else additive
-    ours = attention.one_query_attention(query, key, value, mask, scaling=0.088)
+    ours = reference.one_query_attention(query, key, value, mask, scaling=0.088)
     assert _max_error(ours, _reference(query, key, value, attends)) < 0.02
     # The padded positions carry no weight: changing them changes nothing.
     key[1, :, :25], value[1, :, :25] = 100.0, -100.0
-    again = attention.one_query_attention(query, key, value, mask, scaling=0.088)
+    again = reference.one_query_attention(query, key, value, mask, scaling=0.088)
     assert torch.equal(again, ours)
 
 
 def test_the_batch_is_widened_in_chunks_with_the_same_result(monkeypatch):
     query, key, value = _inputs(3, 64, seed=2)
-    whole = attention.one_query_attention(query, key, value, None, scaling=None)
-    monkeypatch.setattr(attention, "WIDENED_KEYS_BYTES", 1)  # one sequence at a time
-    assert torch.equal(attention.one_query_attention(query, key, value, None, scaling=None), whole)
+    whole = reference.one_query_attention(query, key, value, None, scaling=None)
+    monkeypatch.setattr(reference, "WIDENED_KEYS_BYTES", 1)  # one sequence at a time
+    assert torch.equal(reference.one_query_attention(query, key, value, None, scaling=None), whole)
 
 
 def test_float32_and_prompts_keep_sdpa(monkeypatch):

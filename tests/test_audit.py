@@ -9,7 +9,8 @@ import jinja2
 import pytest
 
 from conftest import REPO, load_topology
-from vlserve import audit, sizing
+from vlserve import sizing
+from vlserve.ops import audit
 
 MEMORY_TEMPLATES = REPO / "roles" / "vlserve_memory" / "templates"
 
@@ -68,7 +69,7 @@ def test_nothing_written_reads_as_nothing(root):
 
 
 def test_memory_headroom_names_the_pressure_of_other_processes():
-    facts = load_topology("this-machine")
+    facts = load_topology("xeon-avx512bf16-2vcpu-vm")
     plan = sizing.plan(facts)
     needed = plan["workers"]["count"] * plan["memory"]["per_worker"]["high_bytes"]
     facts["limits"]["vlserve_slice_bytes"] = None

@@ -122,7 +122,7 @@ def test_compare_runs_naive_and_tuned_and_fills_every_figure(tiny_model, tmp_pat
     result = run_tool(
         "vlserve",
         "bench-compare",
-        "--model-dir",
+        "--model",
         str(tiny_model),
         "--latency-requests",
         "2",
@@ -186,7 +186,7 @@ def test_autotune_ranks_the_plan_and_writes_host_vars_the_role_accepts(tiny_mode
     result = run_tool(
         "vlserve",
         "autotune",
-        "--model-dir",
+        "--model",
         str(tiny_model),
         "--requests",
         "2",
@@ -225,7 +225,7 @@ def test_autotune_ranks_the_plan_and_writes_host_vars_the_role_accepts(tiny_mode
 
 
 def test_autotune_sweeps_quantize_levels_only_when_asked(tmp_path):
-    facts = load_topology("this-machine")
+    facts = load_topology("xeon-avx512bf16-2vcpu-vm")
     base = sizing.Policy()
     default = candidates(facts, base, AutotuneOptions(model=tmp_path, batch_sizes=(1,), dtypes=("bfloat16",)))
     assert {policy.quantize for policy in default} == {base.quantize}  # the policy's numerics, kept

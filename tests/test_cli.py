@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from conftest import TOPOLOGIES, run_tool
-from vlserve import units
+from vlserve.ops import units
 
 ALL = sorted(TOPOLOGIES.glob("*.json"))
 INFEASIBLE_EXACT = {"wsl2-8cpu-6g"}  # with exact weights; quantize: auto rounds them until a worker fits
@@ -70,7 +70,7 @@ def test_plan_flags_follow_the_policy():
     ],
 )
 def test_bad_policy_exits_2_with_the_reason(args, message):
-    result = vlserve("plan", "--facts", str(TOPOLOGIES / "this-machine.json"), *args)
+    result = vlserve("plan", "--facts", str(TOPOLOGIES / "xeon-avx512bf16-2vcpu-vm.json"), *args)
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -103,7 +103,7 @@ def test_render_units_writes_every_destination_once_from_the_plan(tmp_path):
 
 
 def broken_facts(tmp_path, change) -> str:
-    facts = json.loads((TOPOLOGIES / "this-machine.json").read_text())
+    facts = json.loads((TOPOLOGIES / "xeon-avx512bf16-2vcpu-vm.json").read_text())
     text = change(facts)
     path = tmp_path / "facts.json"
     path.write_text(text if isinstance(text, str) else json.dumps(facts))
@@ -134,7 +134,7 @@ def test_bad_facts_get_one_line_and_exit_2(tmp_path, change, message):
 
 
 def test_exit_codes_tell_bad_input_from_a_host_too_small(tmp_path):
-    assert vlserve("plan", "--facts", str(TOPOLOGIES / "this-machine.json")).returncode == 0
+    assert vlserve("plan", "--facts", str(TOPOLOGIES / "xeon-avx512bf16-2vcpu-vm.json")).returncode == 0
     assert vlserve("plan", "--facts", str(TOPOLOGIES / "wsl2-8cpu-6g.json"), "--quantize", "none").returncode == 1
     assert vlserve("plan", "--facts", str(tmp_path / "missing.json")).returncode == 2
 

@@ -19,7 +19,7 @@ from conftest import free_port
 from harness import nspawn
 from harness.playbooks import audit, play, recap
 from sample_images import image_question, png_bytes
-from vlserve import native
+from vlserve.kernels import native
 
 REASON = nspawn.available()
 if REASON and os.environ.get("CI"):
@@ -274,7 +274,7 @@ def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request
         assert info["quantize"] == "int8", info
         # built by one worker, loaded by the other
         assert "/var/cache/vlserve/kernels/vlserve_kernels-" in info["kernels"], info
-    # The Q8_0 tiles of the kernels loaded above, in their own file (vlserve/weightcache.py).
+    # The Q8_0 tiles of the kernels loaded above, in their own file (vlserve/model/weightcache.py).
     assert "-int8-q8tiles.safetensors" in guest.ssh("ls /var/cache/vlserve/weights").stdout
     assert ask(host_vars).status_code == 200
 

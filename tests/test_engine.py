@@ -11,14 +11,15 @@ import pytest
 import torch
 from PIL import Image
 
-import vlserve.loader
+import vlserve.model.loader
 from conftest import run_tool
-from vlserve import native
-from vlserve.engine import Engine, ImageInput
 from vlserve.errors import ContextLengthExceeded, RequestTimeout
-from vlserve.packing import PREFILL_ROWS, PackedBf16Weight, PackedGroup, PackedLinear, packing_supported
-from vlserve.quantized import INT8_PREFILL_ROWS, Int8Linear, Int8Weight
-from vlserve.sampling import SamplingParams
+from vlserve.kernels import native
+from vlserve.kernels.quantized import INT8_PREFILL_ROWS, Int8Linear, Int8Weight
+from vlserve.model.packing import PREFILL_ROWS, PackedBf16Weight, PackedGroup, PackedLinear, packing_supported
+from vlserve.runtime.engine import Engine
+from vlserve.runtime.images import ImageInput
+from vlserve.runtime.sampling import SamplingParams
 from vlserve.settings import LimitSettings, ModelSettings
 
 
@@ -257,7 +258,7 @@ def test_packed_bfloat16_weights_give_the_same_tokens(tmp_path, stock_kernels):
         engines[packed].load()
         engines[packed].mark_ready()
     try:
-        assert engines[True].packed and not engines[False].packed
+        assert engines[True].loaded_as.packed and not engines[False].loaded_as.packed
         layers = [m for m in engines[True].model.modules() if isinstance(m, PackedLinear)]
         assert (
             len(layers) == 7 * engines[True].model.config.text_config.num_hidden_layers + 1
@@ -351,11 +352,11 @@ def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path, packed,
     )
     engine.load()
     try:
-        assert engine.packed == packed
+        assert engine.loaded_as.packed == packed
         kinds = {type(m.stored).__name__ for m in engine.model.modules() if isinstance(m, PackedLinear)}
         assert kinds == {"PackedBf16Weight" if packed else "PlainWeight"}
         layers = 7 * engine.model.config.text_config.num_hidden_layers  # the head never sees a prompt
-        assert engine.prefill_dtype == "float32" and engine.prefill_copies_pending == layers
+        assert engine.loaded_as.prefill_dtype == "float32" and engine.prefill_copies_pending == layers
         engine.warmup()
         assert engine.prefill_copies_pending == layers  # none while loading and warming up
         engine.mark_ready()
@@ -392,7 +393,11 @@ def test_an_int8_engine_answers(tmp_path, dtype):
     try:
         engine.warmup()
         engine.mark_ready()
-        assert (engine.vision_dtype, engine.prefill_dtype, engine.packed) == ("int8", "int8", dtype == "bfloat16")
+        assert (engine.loaded_as.vision_dtype, engine.loaded_as.prefill_dtype, engine.loaded_as.packed) == (
+            "int8",
+            "int8",
+            dtype == "bfloat16",
+        )
         assert any(isinstance(m, Int8Linear) for m in engine.model.model.visual.modules())
         layers = 7 * engine.model.config.text_config.num_hidden_layers
         deadline = time.monotonic() + 60
@@ -411,8 +416,8 @@ def test_an_int8_engine_answers(tmp_path, dtype):
 def test_without_x86_kernels_the_engine_falls_back_and_answers(tmp_path, monkeypatch):
     """On a CPU without oneDNN's bf16 and int8 kernels (an Arm server), what asks for them loads the
     plain path instead of crashing: the capability checks answer as such a CPU would."""
-    monkeypatch.setattr(vlserve.loader, "packing_supported", lambda dtype: False)
-    monkeypatch.setattr(vlserve.loader, "int8_products_supported", lambda: False)
+    monkeypatch.setattr(vlserve.model.loader, "packing_supported", lambda dtype: False)
+    monkeypatch.setattr(vlserve.model.loader, "int8_products_supported", lambda: False)
     directory = tmp_path / "tiny"
     assert run_tool("vlserve", "make-test-model", str(directory), "--dtype", "bfloat16").returncode == 0
     engine = Engine(
@@ -425,7 +430,12 @@ def test_without_x86_kernels_the_engine_falls_back_and_answers(tmp_path, monkeyp
     try:
         engine.warmup()
         engine.mark_ready()
-        assert (engine.dtype, engine.packed, engine.vision_dtype, engine.prefill_dtype) == (
+        assert (
+            engine.loaded_as.dtype,
+            engine.loaded_as.packed,
+            engine.loaded_as.vision_dtype,
+            engine.loaded_as.prefill_dtype,
+        ) == (
             "bfloat16",
             False,
             "float32",
@@ -443,8 +453,9 @@ ONE_OPENMP_POOL = """
 import os, sys, threading, time
 import torch
 from PIL import Image
-from vlserve.engine import Engine, ImageInput
-from vlserve.sampling import SamplingParams
+from vlserve.runtime.engine import Engine
+from vlserve.runtime.images import ImageInput
+from vlserve.runtime.sampling import SamplingParams
 from vlserve.settings import LimitSettings, ModelSettings
 
 engine = Engine(ModelSettings(model=sys.argv[1], threads=2), LimitSettings(request_timeout_s=30))
@@ -497,7 +508,7 @@ def test_a_quantized_worker_loads_decodes_and_stays_close_to_the_exact_one(tmp_p
         engine.load()
         engine.mark_ready()
     try:
-        assert rounded.quantize == level and not rounded.packed
+        assert rounded.loaded_as.quantize == level and not rounded.loaded_as.packed
         layers = [m for m in rounded.model.modules() if isinstance(m, PackedLinear)]
         decoder_layers = rounded.model.config.text_config.num_hidden_layers
         assert len(layers) == 7 * decoder_layers + 1

@@ -1,7 +1,7 @@
 """The quantized levels' tests once more, with torch held to AVX2 as an AVX2-only host runs them.
 
 `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` makes torch, oneDNN, the probe and vlserve's kernels
-take the paths an AVX2 CPU takes (vlserve.native's avx2 tier, torch's int4 kernel, no bfloat16
+take the paths an AVX2 CPU takes (vlserve.kernels.native's avx2 tier, torch's int4 kernel, no bfloat16
 packing). The selected tests run unchanged, with the limits they hold on AVX-512: an ISA never gets a
 looser threshold. Skipped where the CPU has no tier above AVX2 (the main run is that run) or no AVX2.
 """
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from vlserve import native
+from vlserve.kernels import native
 
 HELD = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # Every test whose numbers or paths depend on the ISA tier: the products, the quantized layers and their

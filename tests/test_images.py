@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from sample_images import jpeg_bytes, png_bomb, png_bytes
-from vlserve.images import ImageError, decode_data_uri, load_image
+from vlserve.runtime.images import ImageError, decode_data_uri, load_image
 
 LIMIT = 50_000_000
 CAP = 448 * 448

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from vlserve import kvcache
-from vlserve.batch import BatchState
+from vlserve.runtime import kvcache
+from vlserve.runtime.batch import BatchState
 
 
 def states(rows, tokens, seed):

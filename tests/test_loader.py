@@ -6,7 +6,7 @@ import pytest
 
 from conftest import TOPOLOGIES, load_topology
 from vlserve import sizing
-from vlserve.loader import choose
+from vlserve.model.loader import choose
 from vlserve.settings import LimitSettings, ModelSettings
 
 ALL = [p.stem for p in sorted(TOPOLOGIES.glob("*.json"))]
@@ -41,7 +41,7 @@ def test_auto_refuses_the_float32_prompt_copy_where_the_plan_does():
 
 
 def test_explicit_settings_win_over_the_plan():
-    facts = load_topology("this-machine")
+    facts = load_topology("xeon-avx512bf16-2vcpu-vm")
     settings = ModelSettings(dtype="float32", vision_dtype="int8", prefill_dtype="float32", packed_weights=False)
     chosen = choose(settings, LimitSettings(), facts)
     assert (chosen.dtype, chosen.vision_dtype, chosen.prefill_dtype, chosen.packed) == (

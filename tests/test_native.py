@@ -19,24 +19,18 @@ from transformers.models.qwen3_vl import modeling_qwen3_vl
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
 from conftest import NATIVE_KERNELS
-from vlserve import attention, decoderops, native
-from vlserve.loader import load_model
-from vlserve.quantized import (
-    INT4_GROUP,
-    Int4Weight,
-    Int8Weight,
-    _int4_groups,
-    int4_blocks,
-    q8_reference,
-    q8_tiles,
-    quantize_blocks,
-)
+from vlserve.kernels import native
+from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
+from vlserve.kernels.quantized import Int4Weight, Int8Weight
+from vlserve.kernels.reference import q8_reference
+from vlserve.model import attention, decoderops
+from vlserve.model.loader import load_model
+from vlserve.model.weightcache import WeightCache
 from vlserve.settings import LimitSettings, ModelSettings
-from vlserve.weightcache import WeightCache
 
 TIER, TIER_WHY = native.cpu_tier()  # the tier a worker here loads
 CPU_TIERS = native.cpu_tiers()  # every tier this CPU's instructions allow (ops can be asked for any)
-stock_rotary = decoderops._stock_rotary  # transformers' function, whatever a loaded worker replaced it with
+stock_rotary = decoderops.STOCK_ROTARY  # transformers' function, whatever a loaded worker replaced it with
 needs_tier = pytest.mark.skipif(TIER is None, reason="no kernel tier runs here: %s" % TIER_WHY)
 needs_avx512 = pytest.mark.skipif(TIER != "avx512_vnni", reason="the op needs the AVX-512 VNNI tier: %s" % TIER_WHY)
 HAS_BF16 = TIER == "avx512_vnni" and native.BF16_FLAG in (native._cpu_flags() or [])
@@ -193,7 +187,7 @@ def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(
     """Where the plan packs bfloat16 weights and the kernel loads, the exact level keeps them plain for
     it: its decode rows go through the kernel, prompts through oneDNN, and the greedy tokens are the
     packed worker's, before its after-ready steps and after them (owned weights, no view of the map)."""
-    from vlserve.packing import NativeBf16Weight, PackedBf16Weight  # noqa: PLC0415
+    from vlserve.model.packing import NativeBf16Weight, PackedBf16Weight  # noqa: PLC0415
 
     def load(kernels: str):
         monkeypatch.setattr(native, "_state", native._State())
@@ -202,12 +196,12 @@ def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(
         return load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
 
     packed = load("off")
-    assert packed.packed and isinstance(packed.model.lm_head.stored, PackedBf16Weight)
+    assert packed.choices.packed and isinstance(packed.model.lm_head.stored, PackedBf16Weight)
     packed.settle()
     expected, expected_logits = _greedy_decode(packed.model)
 
     own = load(NATIVE_KERNELS)
-    assert own.packed and own.quantize == "none"  # the plan's choice, in the own product's layout
+    assert own.choices.packed and own.choices.quantize == "none"  # the plan's choice, in the own product's layout
     weights = {id(m.stored): m.stored for m in own.model.modules() if hasattr(m, "stored")}
     assert weights and all(isinstance(w, NativeBf16Weight) for w in weights.values())
     calls = []
@@ -239,7 +233,9 @@ def test_a_second_build_loads_the_first_and_a_new_source_builds_anew(tmp_path, m
 
 def test_workers_starting_together_build_it_once(tmp_path):
     """Two processes build into one empty directory at once: one compiles, the other waits for it."""
-    script = "import pathlib, sys; from vlserve import native; print(native.build(pathlib.Path(sys.argv[1]))[1])"
+    script = (
+        "import pathlib, sys; from vlserve.kernels import native; print(native.build(pathlib.Path(sys.argv[1]))[1])"
+    )
     runs = [
         subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -287,7 +283,7 @@ def test_torch_held_to_avx2_loads_the_avx2_tier(tmp_path):
     script = textwrap.dedent(
         """
         import pathlib, sys
-        from vlserve import native
+        from vlserve.kernels import native
         print(native.enable(pathlib.Path(sys.argv[1])))
         print(native.tier(), native.int4_linear() is None, native.one_query_attention() is None)
         """
@@ -310,7 +306,7 @@ def test_the_int4_kernel_sums_the_rounded_weights_and_inputs(ops, rows, dtype):
     dtype."""
     torch.manual_seed(rows)
     outputs, inputs = 192, 6 * INT4_GROUP
-    levels, scales, lows = _int4_groups(torch.randn(outputs, inputs) * torch.rand(outputs, 1), INT4_GROUP)
+    levels, scales, lows = int4_groups(torch.randn(outputs, inputs) * torch.rand(outputs, 1), INT4_GROUP)
     x = (torch.randn(rows, inputs) * torch.logspace(-2, 2, inputs)).to(dtype)
     blocks, block_scales = quantize_blocks(x.float())
     rounded = (blocks.double().reshape(rows, -1, INT4_GROUP) * block_scales.double()[..., None]).reshape(rows, inputs)
@@ -325,7 +321,7 @@ def test_the_int4_kernel_sums_the_rounded_weights_and_inputs(ops, rows, dtype):
 
 @needs_avx512
 def test_the_int4_kernel_refuses_a_layout_it_does_not_know(ops):
-    blocks = int4_blocks(*_int4_groups(torch.randn(64, 64), INT4_GROUP))
+    blocks = int4_blocks(*int4_groups(torch.randn(64, 64), INT4_GROUP))
     for x, b, message in (
         (torch.randn(1, 48), blocks, "groups of 32"),
         (torch.randn(1, 64), blocks[:, :-1].contiguous(), "blocks must be"),

@@ -10,23 +10,17 @@ import torch
 from transformers import Qwen3VLForConditionalGeneration
 
 from conftest import NATIVE_KERNELS, run_tool
-from vlserve import native, quantized
-from vlserve.packing import PackedLinear, packing_supported
-from vlserve.quantized import (
-    INT4_GROUP,
+from vlserve.kernels import native, quantized
+from vlserve.kernels.formats import INT4_GROUP, Q8_BLOCK, q8_tiles, q8_untiled, quantize_blocks, quantize_rows
+from vlserve.kernels.quantized import (
     INT8_PREFILL_ROWS,
-    Q8_BLOCK,
     Int4Weight,
     Int8Linear,
     Int8Weight,
     PromptInt8Linear,
-    q8_reference,
-    q8_tiles,
-    q8_untiled,
-    quantize_blocks,
-    quantize_rows,
-    quantize_vision_tower,
 )
+from vlserve.kernels.reference import q8_reference
+from vlserve.model.packing import PackedLinear, packing_supported, quantize_vision_tower
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -238,7 +232,7 @@ def test_a_float32_layer_runs_prompts_on_its_int8_copy_once_made():
 
 def test_quant_check_reports_agreement_divergence_and_where_each_level_ran(tmp_path):
     """On a checkpoint shaped like real weights (outlier channels in its residual streams): each level's
-    figures, and the ISA tier and kernels it ran on, as vlserve.native would pick them on this CPU."""
+    figures, and the ISA tier and kernels it ran on, as vlserve.kernels.native would pick them on this CPU."""
     checkpoint = tmp_path / "tiny-outliers"
     assert run_tool("vlserve", "make-test-model", str(checkpoint), "--outlier-channels", "4").returncode == 0
     output = tmp_path / "check.json"

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Server
 from sample_images import data_uri, image_question, jpeg_bytes, png_bytes
-from vlserve import native
+from vlserve.kernels import native
 
 
 def post(server, body, **kwargs):

@@ -14,8 +14,8 @@ import pytest
 import uvicorn
 
 from conftest import Server, free_port, run_tool
-from vlserve.app import create_app
-from vlserve.engine import Engine
+from vlserve.api.app import create_app
+from vlserve.runtime.engine import Engine
 from vlserve.settings import SETTINGS_MODELS, LimitSettings, ModelSettings, ServerSettings, Settings
 
 
@@ -156,7 +156,7 @@ def test_bad_settings_are_refused_with_the_field_name():
 
 
 def test_the_start_collects_nothing_while_importing_and_collects_again_after_even_on_failure():
-    from vlserve.cli import _collecting_nothing  # noqa: PLC0415
+    from vlserve.cli.serve import _collecting_nothing  # noqa: PLC0415
 
     frozen = gc.get_freeze_count()
     try:

@@ -106,7 +106,7 @@ def test_an_8_gib_laptop_with_a_desktop_running_gets_a_worker_at_a_smaller_level
 
 
 def test_the_default_stays_exact_wherever_one_worker_fits():
-    for name in ("this-machine", "i7-11800h-laptop-8g", "cloud-vm-2vcpu", "xeon-e5-2680v4"):
+    for name in ("xeon-avx512bf16-2vcpu-vm", "i7-11800h-laptop-8g", "cloud-vm-2vcpu", "xeon-e5-2680v4"):
         result = sizing.plan(load_topology(name))
         assert result["model"]["quantize"] == "none", name
         assert result["model"]["quantize_why"] == "auto: exact weights, one worker fits"
@@ -230,7 +230,7 @@ def test_two_vcpu_cloud_vm_one_thread_and_no_cpufreq():
 
 
 def test_this_machine_capture():
-    result = sizing.plan(load_topology("this-machine"))
+    result = sizing.plan(load_topology("xeon-avx512bf16-2vcpu-vm"))
     assert result["model"]["dtype"] == "bfloat16"
     assert result["worker_list"][0]["cpus"] == [0, 1]
     assert result["worker_list"][0]["environment"]["OMP_PLACES"] == "{0},{1}"
@@ -250,7 +250,7 @@ def test_this_machine_capture():
 
 
 def test_quantize_int8_rounds_the_language_model_and_the_vision_tower():
-    facts = load_topology("this-machine")  # AVX-512 VNNI
+    facts = load_topology("xeon-avx512bf16-2vcpu-vm")  # AVX-512 VNNI
     default = sizing.plan(facts)
     quantized = sizing.plan(facts, sizing.Policy(quantize="int8"))
     model = quantized["model"]
@@ -300,7 +300,7 @@ def test_policy_overrides_are_honoured_and_reported():
 
 def test_allowed_cpus_outside_the_host_are_refused():
     with pytest.raises(ValueError, match="allowed_cpus has CPUs 7 that this host does not allow"):
-        sizing.plan(load_topology("this-machine"), sizing.Policy(allowed_cpus=[0, 7]))
+        sizing.plan(load_topology("xeon-avx512bf16-2vcpu-vm"), sizing.Policy(allowed_cpus=[0, 7]))
 
 
 @pytest.mark.parametrize(
@@ -329,7 +329,7 @@ def test_footprint_matches_the_architecture_make_test_model_writes():
     import torch  # noqa: PLC0415
     from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415
 
-    from vlserve.testmodel import model_config  # noqa: PLC0415
+    from vlserve.model.testmodel import model_config  # noqa: PLC0415
 
     config, _ = model_config("real")
     with torch.device("meta"):  # shapes only: no memory for 2 B parameters

@@ -12,10 +12,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import run_tool
-from vlserve import packing, quantized, weightcache
-from vlserve.loader import load_model
+from vlserve.kernels import quantized
+from vlserve.model import packing, weightcache
+from vlserve.model.loader import load_model
+from vlserve.model.weightcache import KEY_FIELD, WeightCache
 from vlserve.settings import LimitSettings, ModelSettings
-from vlserve.weightcache import KEY_FIELD, WeightCache
 
 LIMITS = LimitSettings(max_batch_size=2, max_context_tokens=1024)
 
@@ -130,7 +131,7 @@ def test_a_stale_foreign_or_broken_file_is_rebuilt_never_trusted(checkpoint, tmp
     path = cache_file(tmp_path)
     spoil(checkpoint, path)
     roundings.clear()
-    with caplog.at_level(logging.INFO, logger="vlserve.weightcache"):
+    with caplog.at_level(logging.INFO, logger="vlserve.model.weightcache"):
         rebuilt = load(checkpoint, tmp_path, "int4")
     assert len(roundings) == rounded  # every weight rounded again
     assert any(word in caplog.text for word in ("stale or foreign", "unreadable"))
@@ -152,7 +153,7 @@ def test_a_layer_of_the_wrong_shape_is_rounded_again(checkpoint, tmp_path, round
 
     rewrite(path, change_tensors=shrink)
     roundings.clear()
-    with caplog.at_level(logging.WARNING, logger="vlserve.weightcache"):
+    with caplog.at_level(logging.WARNING, logger="vlserve.model.weightcache"):
         again = load(checkpoint, tmp_path, "int8")
     assert len(roundings) == 1 and "lm_head" in caplog.text
     assert torch.equal(logits(again), reference)
@@ -161,7 +162,7 @@ def test_a_layer_of_the_wrong_shape_is_rounded_again(checkpoint, tmp_path, round
 def test_a_cache_that_cannot_be_written_costs_only_the_rounding(checkpoint, tmp_path, caplog):
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="vlserve.weightcache"):
+    with caplog.at_level(logging.WARNING, logger="vlserve.model.weightcache"):
         loaded = load(checkpoint, blocked / "weights", "int8")
     assert "cannot write" in caplog.text
     assert logits(loaded).isfinite().all()

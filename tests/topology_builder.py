@@ -1,7 +1,8 @@
 """Build facts (schema vlserve.facts/1) for hosts this machine is not: the fixtures and the property tests.
 
 `python tests/topology_builder.py` rewrites tests/fixtures/topologies/*.json from HOSTS below; the
-one real capture (this-machine.json) comes from `vlserve probe --json` and is left alone.
+one real capture (xeon-avx512bf16-2vcpu-vm.json, a 2-vCPU Xeon VM with AVX-512 VNNI and BF16, no
+AMX) comes from `vlserve probe --json` and is left alone.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-_CONFIG = SettingsConfigDict(env_prefix="VLSERVE_", extra="ignore", env_file=None)
+from vlserve.sizing.contract import AUTO, ENV_PREFIX, FLOAT_DTYPES, QUANTIZE_LEVELS, QUANTIZED_LEVELS
+
+_CONFIG = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", env_file=None)
 
 
 class ServerSettings(BaseSettings):
@@ -49,17 +51,17 @@ class ModelSettings(BaseSettings):
     model_config = _CONFIG
 
     model: Path = Field(Path("/var/lib/vlserve/model"), description="local Qwen3-VL checkpoint directory")
-    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+    dtype: Literal[(AUTO, *FLOAT_DTYPES)] = Field(
         "auto", description="weights dtype; auto: bfloat16 on CPUs with AVX-512 BF16 or AMX, else float32"
     )
-    vision_dtype: Literal["auto", "bfloat16", "float32", "int8"] = Field(
+    vision_dtype: Literal[(AUTO, *FLOAT_DTYPES, "int8")] = Field(
         "auto",
         description="vision encoder dtype; auto: float32 unless the CPU has AMX (without it bfloat16 "
         "matrix products are slower than float32 ones, and the encoder is compute-bound); int8: Q8_0 "
         "products through vlserve's kernels (AVX-512 VNNI or AVX2; changes the numerics; chosen by auto at "
         "the int8 and int4 levels)",
     )
-    quantize: Literal["auto", "none", "int8", "int4"] = Field(
+    quantize: Literal[(AUTO, *QUANTIZE_LEVELS)] = Field(
         "auto",
         description="rounding of the language model's weights: none (exact); int8 (its linear layers and the "
         "output head as llama.cpp's Q8_0, a scale per block of 32, inputs rounded the same way; about half "
@@ -67,7 +69,7 @@ class ModelSettings(BaseSettings):
         "third of the bytes); both keep the residual streams' outlier channels exact; auto: as the sizing "
         "plan for this process decides (none wherever it fits)",
     )
-    prefill_dtype: Literal["auto", "bfloat16", "float32", "int8", "int4"] = Field(
+    prefill_dtype: Literal[(AUTO, *FLOAT_DTYPES, *QUANTIZED_LEVELS)] = Field(
         "auto",
         description="dtype of prompt-sized products in a packed bfloat16 model; auto: float32 unless the CPU "
         "has AMX (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8, in "

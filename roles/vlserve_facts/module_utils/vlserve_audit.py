@@ -1,1 +1,1 @@
-../../../service/vlserve/audit.py
+../../../service/vlserve/ops/audit.py

@@ -1,5 +1,5 @@
 """The HTTP layer, laid out as vLLM's and llama-cpp-python's servers are: an app factory with a
-lifespan (`vlserve.app`), dependencies, one error shape, and one router per endpoint group.
+lifespan (`vlserve.api.app`), dependencies, one error shape, and one router per endpoint group.
 
 Knows nothing of torch: it turns requests into the engine's inputs (messages with decoded images,
 sampling parameters) and the engine's events into OpenAI-shaped responses and server-sent events.

@@ -9,8 +9,8 @@ from fastapi import Depends, Request
 
 from vlserve.api.errors import APIError, not_ready
 from vlserve.api.submission import Submitter
-from vlserve.engine import Engine
-from vlserve.metrics import Metrics
+from vlserve.runtime.engine import Engine
+from vlserve.runtime.metrics import Metrics
 from vlserve.settings import Settings
 
 

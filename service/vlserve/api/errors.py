@@ -11,9 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vlserve.api.protocol import ErrorDetail, ErrorResponse
 from vlserve.errors import EngineError, InvalidRequest, NotReady, Overloaded, RequestTimeout
-from vlserve.images import ImageError
-from vlserve.protocol import ErrorDetail, ErrorResponse
+from vlserve.runtime.images import ImageError
 
 log = logging.getLogger("vlserve")
 

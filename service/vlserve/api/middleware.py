@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from vlserve.api.errors import APIError, error_response
-from vlserve.metrics import Metrics
+from vlserve.runtime.metrics import Metrics
 
 
 class _BodyTooLarge(Exception):

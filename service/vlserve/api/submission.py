@@ -17,11 +17,12 @@ import anyio
 from fastapi import Request
 
 from vlserve.api.errors import APIError, from_engine_error
-from vlserve.engine import Engine, Prompt, Sequence, Usage
+from vlserve.api.protocol import UsageInfo
 from vlserve.errors import EngineError
-from vlserve.images import ImageInput, load_image
-from vlserve.protocol import UsageInfo
-from vlserve.sampling import SamplingParams
+from vlserve.runtime.engine import Engine
+from vlserve.runtime.images import ImageInput, load_image
+from vlserve.runtime.requests import Prompt, Sequence, Usage
+from vlserve.runtime.sampling import SamplingParams
 from vlserve.settings import Settings
 
 

@@ -84,7 +84,7 @@ def decode_bytes_per_token(model: Path, dtype: str, quantize: str = "none") -> i
     """Bytes of weights one decode step reads at `dtype`: the language model without its input
     embedding table, plus the output head (the embedding's weights again when they are tied).
     At a quantize level the decoder's linear layers read their quantized bytes (scales included) and
-    the head too, in int8 (vlserve/quantized.py)."""
+    the head too, in int8 (vlserve/kernels/quantized.py)."""
     tensors = safetensors_index(model)
     config = json.loads((model / "config.json").read_text())
     tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))

@@ -28,6 +28,7 @@ from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwid
 from vlserve.bench.loadgen import LoadSpec, chat_url, run_load, stream_request
 from vlserve.bench.servers import LocalServer, start_plan_workers, warm_page_cache
 from vlserve.bench.workload import Workload
+from vlserve.sizing.contract import QUANTIZED_LEVELS
 
 COMPARE_SCHEMA = "vlserve.compare/1"
 
@@ -256,7 +257,7 @@ def compare(options: CompareOptions) -> dict:
     plan = sizing.plan(facts, policy)
     configs = {"naive": None, "tuned": plan}
     if options.level_columns:  # the plan at each other quantize level, measured beside it, never instead
-        for level in ("int8", "int4"):
+        for level in QUANTIZED_LEVELS:
             if level != plan["model"]["quantize"]:
                 configs["tuned_" + level] = sizing.plan(facts, replace(policy, quantize=level))
     worker = plan["worker_list"][0]
@@ -354,7 +355,6 @@ def render_compare(result: dict) -> str:
         return _ratio(config["vision_cache"]["second_question_ttft_s"], config["vision_cache"]["first_ttft_s"])
 
     header = ["figure", "naive"] + [part for name, ratio_name, _ in columns for part in (name, ratio_name)]
-    bw = result["bandwidth"]
     lines = [
         "| %s | target |" % " | ".join(header),
         "|%s---|" % ("---|" * len(header)),
@@ -395,6 +395,15 @@ def render_compare(result: dict) -> str:
         ),
         row("peak resident memory (GB)", lambda c: c["peak_rss_bytes"] / 1e9, "%.2f"),
         "",
+    ]
+    lines += _decode_bound_lines(result, levels, met)
+    return "\n".join(lines)
+
+
+def _decode_bound_lines(result: dict, levels: dict, met) -> list[str]:
+    """The memory bandwidth, the decode bound it sets, and how near each configuration comes to it."""
+    bw, tuned = result["bandwidth"], result["tuned"]
+    lines = [
         "Memory read bandwidth: %.1f GB/s (%d threads, %.1f GiB buffer, last-level cache %.0f MiB); a decode step "
         "reads %.2f GB of %s weights, so one stream decodes at most %.2f tokens/s. Tuned single stream: %.2f tokens/s "
         "= %.0f%% of the bound (target %s)."
@@ -426,7 +435,7 @@ def render_compare(result: dict) -> str:
                 100 * (config["figures"]["decode_fraction_of_bound"] or 0.0),
             )
         )
-    return "\n".join(lines)
+    return lines
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

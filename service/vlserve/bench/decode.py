@@ -20,16 +20,17 @@ from typing import Any
 
 import torch
 
-from vlserve import native
-from vlserve.kvcache import new_cache
-from vlserve.loader import load_model
+from vlserve.kernels import native
+from vlserve.model.loader import load_model
+from vlserve.runtime.kvcache import new_cache
 from vlserve.settings import LimitSettings, ModelSettings
+from vlserve.sizing.contract import QUANTIZE_LEVELS
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
     model: Path
-    levels: tuple[str, ...] = ("none", "int8", "int4")
+    levels: tuple[str, ...] = QUANTIZE_LEVELS
     tokens: int = 32
     rounds: int = 5
     threads: int | None = None
@@ -109,9 +110,9 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
     loaded.settle()  # timed as a settled worker runs: kernel layouts and prompt copies made
     prefill, steps = _timings(loaded.model, options.tokens, options.prompt_tokens)
     return {
-        "quantize": loaded.quantize,
-        "dtype": loaded.dtype,
-        "prefill_dtype": loaded.prefill_dtype,
+        "quantize": loaded.choices.quantize,
+        "dtype": loaded.choices.dtype,
+        "prefill_dtype": loaded.choices.prefill_dtype,
         "prefill_s": prefill,
         "step_s": statistics.median(steps),
         "decode_bytes_per_token": decode_weight_bytes(loaded.model),

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from vlserve.bench.loadgen import MemoryWatch
+from vlserve.sizing.contract import ENV_PREFIX
 
 
 def free_port() -> int:
@@ -53,7 +54,7 @@ class LocalServer:
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         env.update(environment or {})
-        env.update({"VLSERVE_" + key.upper(): str(value) for key, value in (settings or {}).items()})
+        env.update({ENV_PREFIX + key.upper(): str(value) for key, value in (settings or {}).items()})
         env.update({"VLSERVE_MODEL": str(model), "VLSERVE_HOST": "127.0.0.1", "VLSERVE_PORT": str(self.port)})
         self.started = time.perf_counter()
         self.process = subprocess.Popen(
@@ -127,8 +128,8 @@ def start_plan_workers(model: Path, plan: dict, extra: dict[str, str] | None = N
     servers: list[LocalServer] = []
     try:
         for worker in plan["worker_list"]:
-            environment = {k: v for k, v in worker["environment"].items() if not k.startswith("VLSERVE_")}
-            settings = {k[len("VLSERVE_") :]: v for k, v in worker["environment"].items() if k.startswith("VLSERVE_")}
+            environment = {k: v for k, v in worker["environment"].items() if not k.startswith(ENV_PREFIX)}
+            settings = {k[len(ENV_PREFIX) :]: v for k, v in worker["environment"].items() if k.startswith(ENV_PREFIX)}
             settings.update(extra or {})
             servers.append(
                 LocalServer(

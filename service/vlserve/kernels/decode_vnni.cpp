@@ -9,7 +9,7 @@
 // for every row count and on AVX2 too, is q8.cpp's.
 //
 // int4_linear: weights as levels 0..15 in groups of 32 inputs with a bfloat16 scale and low value per
-// group and output (w = level * scale + low), in this file's block layout (vlserve.quantized.int4_blocks),
+// group and output (w = level * scale + low), in this file's block layout (vlserve.kernels.quantized.int4_blocks),
 // one stream per 64 outputs: per block and group, four tiles of 16 outputs, each four 64-byte lines
 // whose byte j of line l holds output j / 4's inputs 8l + j % 4 (low nibble) and 8l + 4 + j % 4 (high
 // nibble), so one line feeds two vpdpbusd with four inputs broadcast; then the four tiles' (scale,
@@ -29,14 +29,14 @@
 //
 // rms_norm, rotary and one_query_attention: the decoder layer's small operations, each one call
 // instead of the 8 (norm), 12 (rotary on a query and a key) and ~13 (attention) that transformers'
-// Qwen3-VL modules and vlserve.attention dispatch, with the same roundings: the norm in float32,
+// Qwen3-VL modules and vlserve.model.attention dispatch, with the same roundings: the norm in float32,
 // rounded to the rows' dtype, then times the weight and rounded again; rotary's two products and
-// their sum each rounded to the dtype; attention as vlserve.attention's Python path (below). The
+// their sum each rounded to the dtype; attention as vlserve.model.attention's Python path (below). The
 // norm and rotary are plain C++ (a decode step's rows are a few thousand values: the cost was the
 // dispatch, not the arithmetic); the attention reads the cache's bfloat16 keys and values in place.
 //
 // Every function that uses AVX-512 is compiled for it through a target attribute, the rest of the
-// file for the baseline ISA: the library loads on any x86-64 CPU, and vlserve.native calls it only
+// file for the baseline ISA: the library loads on any x86-64 CPU, and vlserve.kernels.native calls it only
 // where the CPU has AVX-512 VNNI (and bf16_linear only where it has AVX-512 BF16 too).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -352,7 +352,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   }
   return out;
 }
-// vlserve.attention's one-query attention (a decode step): q (batch, heads, 1, dim), key and value
+// vlserve.model.attention's one-query attention (a decode step): q (batch, heads, 1, dim), key and value
 // (batch, kv_heads, tokens, dim), views of the growing cache with any strides but a contiguous last
 // dimension, dim a multiple of 16; mask None, boolean (True attends) or additive, (batch, 1, 1, tokens).
 // As the Python path rounds: float32 scores from the float32 query (scaled first) and the keys read

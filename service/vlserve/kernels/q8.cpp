@@ -14,7 +14,7 @@
 // same ones in the same order (the file is built without FMA contraction), so AVX-512 VNNI and AVX2
 // give the same bits: a test holds them to it, and the accuracy measured on one holds on the other.
 //
-// Layout (vlserve.quantized.q8_tiles): per tile of 16 outputs (outputs padded with zero weights to a
+// Layout (vlserve.kernels.quantized.q8_tiles): per tile of 16 outputs (outputs padded with zero weights to a
 // multiple of 16) and block of 32 inputs, kStep = 544 bytes: eight 64-byte lines whose byte 4o + i of
 // line l holds output o's input 4l + i as the unsigned byte w + 128, then the 16 outputs' fp16 scales.
 // A tile's blocks follow each other, so each tile is one stream of bytes.
@@ -27,7 +27,7 @@
 // saturate: held to AVX2, torch._int_mm and oneDNN's prepacked product returned wrong sums here.
 //
 // Each function that uses an ISA is compiled for it through a target attribute; the caller names the
-// ISA (vlserve.native picks it from the CPU) and the op refuses one the CPU lacks.
+// ISA (vlserve.kernels.native picks it from the CPU) and the op refuses one the CPU lacks.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -22,6 +22,7 @@ The modules, in the order a plan is made:
 """
 
 from .common import FACTS_SCHEMA, GIB, MIB, PLAN_SCHEMA, PlanError
+from .contract import QUANTIZE_LEVELS
 from .cores import default_threads
 from .cpulist import format_cpu_list, parse_cpu_list
 from .dtypes import auto_levels, int8_products, native_bfloat16, plan_prefill_dtype, plan_vision_dtype
@@ -32,7 +33,6 @@ from .footprints import (
     KV_CHUNK_TOKENS,
     MEMORY_GUARD_FRACTION,
     MIN_CONTEXT_TOKENS,
-    QUANTIZE_LEVELS,
     QUANTIZED_BYTES_PER_32_WEIGHTS,
     ModelFootprint,
     worker_memory,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import gib
+from .contract import QUANTIZE_LEVELS
 from .footprints import ModelFootprint, worker_memory
 from .policy import Policy
 
@@ -76,11 +77,11 @@ def auto_levels(cpu: dict[str, Any]) -> tuple[tuple[str, ...], str]:
     bench-decode, 2026-12-03; oneDNN's int8 product had taken longer than int4's there)."""
     if quantized_isa(cpu) is None:
         return ("none",), "int8 and int4 left out: their accuracy is established on x86 with AVX2 or better only"
-    return ("none", "int8", "int4"), ""
+    return QUANTIZE_LEVELS, ""
 
 
 def packed_weights_supported(cpu: dict[str, Any]) -> bool:
-    """The service packs bfloat16 weights with oneDNN's x86 bf16 kernels (vlserve/packing.py), which
+    """The service packs bfloat16 weights with oneDNN's x86 bf16 kernels (vlserve/model/packing.py), which
     need AVX-512 BF16 or AMX."""
     return not is_arm(cpu) and native_bfloat16(cpu)
 
@@ -118,7 +119,7 @@ def plan_vision_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") -
     Only AMX makes bfloat16 matrix products faster than float32 ones; with AVX-512 BF16 alone, oneDNN's
     bf16 GEMMs measured 174-190 GFLOP/s against 283 for float32 on a 2-core Sapphire Rapids VM (the
     vision encoder: 3.4 s in bf16, 1.95 s in float32 for a 448x448 image). Decoding is memory-bound
-    and stays in `dtype`. At a quantize level and with VNNI, int8 (vlserve/quantized.py).
+    and stays in `dtype`. At a quantize level and with VNNI, int8 (vlserve/kernels/quantized.py).
     """
     return _compute_dtype(
         cpu,

@@ -99,6 +99,36 @@ class WorkerFit:
     quantize: str
 
 
+def _shrink_to_fit(
+    footprint: ModelFootprint, dtype: str, policy: Policy, budget: dict[str, Any], extras: dict[str, Any]
+) -> tuple[dict[str, Any], int, int, str]:
+    """The policy's batch halved, then its context, until one worker with `extras` fits the budget:
+    (its memory, batch, context, why)."""
+    available, quantize = budget["available_bytes"], extras["quantize"]
+    batch, context = policy.max_batch_size, policy.max_context_tokens
+    while True:
+        need = worker_memory(footprint, dtype, batch, context, **extras)
+        if need["high_bytes"] <= available:
+            break
+        if batch > 1:
+            batch //= 2
+        elif context > MIN_CONTEXT_TOKENS:
+            context = max(MIN_CONTEXT_TOKENS, context // 2)
+        else:
+            raise PlanError(too_small(footprint, dtype, policy, budget, need["high_bytes"], quantize=quantize))
+    if (batch, context) == (policy.max_batch_size, policy.max_context_tokens):
+        why = "batch %d x %d tokens as the policy asks" % (batch, context)
+    else:
+        why = "batch %d x %d tokens: the policy's %d x %d does not fit in %s" % (
+            batch,
+            context,
+            policy.max_batch_size,
+            policy.max_context_tokens,
+            gib(available),
+        )
+    return need, batch, context, why
+
+
 def fit_worker(
     footprint: ModelFootprint,
     dtype: str,
@@ -154,7 +184,7 @@ def fit_worker(
     else:
         packed_why = "not packed: the packed output head's extra copy would cost the batch or a worker"
     prefill_dtype, prefill_why = plan_prefill_dtype(cpu, dtype, quantize)
-    # A copy needs the service's own linear layers: packed, or plain bfloat16 on x86 (vlserve/packing.py);
+    # A copy needs the service's own linear layers: packed, or plain bfloat16 on x86 (vlserve/model/packing.py);
     # an int8 one also serves unpacked float32 models.
     copies_possible = packed or (dtype == "bfloat16" and not is_arm(cpu)) or prefill_dtype == "int8"
     if prefill_dtype not in (dtype, quantize):
@@ -171,26 +201,7 @@ def fit_worker(
                 "as the language model: a copy of its linear layers in %s would cost the batch or a worker"
                 % prefill_dtype,
             )
-    while True:
-        need = worker_memory(footprint, dtype, batch, context, **extras)
-        if need["high_bytes"] <= available:
-            break
-        if batch > 1:
-            batch //= 2
-        elif context > MIN_CONTEXT_TOKENS:
-            context = max(MIN_CONTEXT_TOKENS, context // 2)
-        else:
-            raise PlanError(too_small(footprint, dtype, policy, budget, need["high_bytes"], quantize=quantize))
-    if (batch, context) == (policy.max_batch_size, policy.max_context_tokens):
-        why = "batch %d x %d tokens as the policy asks" % (batch, context)
-    else:
-        why = "batch %d x %d tokens: the policy's %d x %d does not fit in %s" % (
-            batch,
-            context,
-            policy.max_batch_size,
-            policy.max_context_tokens,
-            gib(available),
-        )
+    need, batch, context, why = _shrink_to_fit(footprint, dtype, policy, budget, extras)
     return WorkerFit(
         memory=need,
         batch=batch,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .common import GIB
+from .contract import QUANTIZED_LEVELS
 
 
 @dataclass(frozen=True)
@@ -42,27 +43,27 @@ FOOTPRINTS = {
             "0.5 GiB covers the runtime (Python, torch, tokenizer, HTTP); activations: 0.5 GiB "
             "budget for a capped image through the vision tower and a batched prefill, an estimate "
             "until the service measures its peak; in bfloat16 the service packs the output head "
-            "into its own copy for oneDNN (vlserve/packing.py), so the tied head counts twice"
+            "into its own copy for oneDNN (vlserve/model/packing.py), so the tied head counts twice"
         ),
     ),
 }
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
-# Bytes per 32 weights, scales included (vlserve/quantized.py): int8 is llama.cpp's Q8_0, a byte a
+# Bytes per 32 weights, scales included (vlserve/kernels/quantized.py): int8 is llama.cpp's Q8_0, a byte a
 # weight and an fp16 scale per block of 32 (where vlserve's kernels run; one float32 scale a row
 # elsewhere, a little less); int4 half a byte a weight and a bfloat16 scale and zero point per group
 # of 32. The vision tower's and the prefill copy's dtypes may be int8 too; the output head is int8 at
 # both levels. A checkpoint with outlier channels keeps at most 32 of them exact per stream (in
-# float32, vlserve/outliers.py): up to ~80 MB for Qwen3-VL-2B, inside the runtime's allowance.
+# float32, vlserve/model/outliers.py): up to ~80 MB for Qwen3-VL-2B, inside the runtime's allowance.
 COMPUTE_BYTES_PER_32 = {"bfloat16": 64, "float32": 128, "int8": 34}
 QUANTIZED_BYTES_PER_32_WEIGHTS = {"int8": 34, "int4": 20}
-QUANTIZE_LEVELS = ("none", *QUANTIZED_BYTES_PER_32_WEIGHTS)
+assert tuple(QUANTIZED_BYTES_PER_32_WEIGHTS) == QUANTIZED_LEVELS
 
 # A worker refuses new requests (503, memory_pressure) once its anonymous memory passes this share of
-# MemoryHigh, before the kernel starts throttling it (vlserve/engine.py reads it from its own cgroup).
+# MemoryHigh, before the kernel starts throttling it (vlserve/runtime/engine.py reads it from its own cgroup).
 MEMORY_GUARD_FRACTION = 0.95
 MIN_CONTEXT_TOKENS = 2048  # a capped image (~200 tokens), a long question and a long answer
-KV_CHUNK_TOKENS = 128  # the service's key/value cache grows by this many tokens at a time (vlserve/kvcache.py)
+KV_CHUNK_TOKENS = 128  # the service's key/value cache grows by this many tokens at a time (vlserve/runtime/kvcache.py)
 
 
 def worker_memory(
@@ -78,10 +79,10 @@ def worker_memory(
 ) -> dict[str, int]:
     """Per-worker memory: steady state (weights + KV + activations + runtime) and the load peak.
 
-    `packed`: the service's oneDNN-packed bfloat16 weights (vlserve/packing.py), where the tied output
+    `packed`: the service's oneDNN-packed bfloat16 weights (vlserve/model/packing.py), where the tied output
     head gets its own copy. `vision_dtype`: the vision tower's, when it differs from `dtype`.
     `prefill_dtype`: when it differs from `dtype`, a second copy of the text decoder's linear layers
-    in that dtype for prompts (vlserve/packing.py). `quantize`: int8 or int4 decoder linear layers and
+    in that dtype for prompts (vlserve/model/packing.py). `quantize`: int8 or int4 decoder linear layers and
     an int8 copy of the tied output head, the rest (embedding, norms, vision tower) in `dtype`.
     """
     width = DTYPE_BYTES[dtype]

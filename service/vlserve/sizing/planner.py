@@ -11,10 +11,11 @@ from dataclasses import asdict
 from typing import Any
 
 from .common import PLAN_SCHEMA, PlanError, gib
+from .contract import QUANTIZE_LEVELS
 from .cores import place_workers, plan_cores
 from .dtypes import auto_levels, plan_dtype, quantize_checked
 from .fitting import WorkerFit, fit_worker, plan_memory_budget
-from .footprints import FOOTPRINTS, QUANTIZE_LEVELS
+from .footprints import FOOTPRINTS
 from .knobs import plan_knobs
 from .policy import Policy
 from .validate import check_facts

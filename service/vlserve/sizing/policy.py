@@ -8,8 +8,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .common import GIB, MIB
+from .contract import AUTO, FLOAT_DTYPES, QUANTIZE_LEVELS
 from .cpulist import format_cpu_list, parse_cpu_list
-from .footprints import DTYPE_BYTES, FOOTPRINTS, QUANTIZE_LEVELS
+from .footprints import FOOTPRINTS
+
+
+def one_of(choices: tuple[str, ...]) -> str:
+    """'a, b or c'."""
+    return choices[0] if len(choices) == 1 else "%s or %s" % (", ".join(choices[:-1]), choices[-1])
 
 
 @dataclass(frozen=True)
@@ -19,25 +25,31 @@ class Policy:
     objective: str = field(
         default="throughput",
         metadata={
-            "help": "throughput: workers of min_threads_per_worker cores or more; latency: one worker per NUMA node"
+            "help": "throughput: workers of min_threads_per_worker cores or more; latency: one worker per NUMA node",
+            "choices": ("throughput", "latency"),
         },
     )
-    model: str = field(default="qwen3-vl-2b-instruct", metadata={"help": "model footprint to size for"})
+    model: str = field(
+        default="qwen3-vl-2b-instruct",
+        metadata={"help": "model footprint to size for", "choices": tuple(sorted(FOOTPRINTS))},
+    )
     dtype: str = field(
         default="auto",
         metadata={
+            "choices": (AUTO, *FLOAT_DTYPES),
             "help": "auto (bfloat16 with AVX-512 BF16, AMX, Arm BF16 or AVX2, else float32 if it fits), bfloat16 "
-            "or float32"
+            "or float32",
         },
     )
     quantize: str = field(
         default="auto",
         metadata={
+            "choices": (AUTO, *QUANTIZE_LEVELS),
             "help": "rounding of the weights: none (exact), int8 (the language model's linear layers and the "
             "output head as llama.cpp's Q8_0, inputs rounded per block of 32 too; images too), int4 (the "
             "decoder's linear layers in 4-bit groups of 32, the head int8); auto: none wherever one worker "
             "fits, else the widest level that does, among those whose accuracy is established on the CPU's "
-            "ISA (x86 with AVX2 or better)"
+            "ISA (x86 with AVX2 or better)",
         },
     )
     min_threads_per_worker: int = field(
@@ -68,7 +80,10 @@ class Policy:
     )
     zram_fraction: float = field(default=0.5, metadata={"help": "zram swap size as a fraction of RAM"})
     zram_max_bytes: int = field(default=8 * GIB, metadata={"help": "upper bound of the zram size"})
-    zram_algorithm: str = field(default="zstd", metadata={"help": "zram compression: zstd, lz4, lzo-rle or lzo"})
+    zram_algorithm: str = field(
+        default="zstd",
+        metadata={"help": "zram compression: zstd, lz4, lzo-rle or lzo", "choices": ("zstd", "lz4", "lzo-rle", "lzo")},
+    )
 
     def validate(self, name_prefix: str = "") -> Policy:
         """Check every field; the error names each bad field (with `name_prefix`, as the caller calls it)."""
@@ -80,14 +95,10 @@ class Policy:
         def is_int(value):
             return isinstance(value, int) and not isinstance(value, bool)
 
-        if self.objective not in ("throughput", "latency"):
-            bad("objective", "throughput or latency")
-        if self.model not in FOOTPRINTS:
-            bad("model", "one of " + ", ".join(sorted(FOOTPRINTS)))
-        if self.dtype not in ("auto", *DTYPE_BYTES):
-            bad("dtype", "auto, bfloat16 or float32")
-        if self.quantize not in ("auto", *QUANTIZE_LEVELS):
-            bad("quantize", "auto, none, int8 or int4")
+        for item in fields(self):
+            choices = item.metadata.get("choices")
+            if choices is not None and getattr(self, item.name) not in choices:
+                bad(item.name, one_of(choices))
         for name, low, high in (
             ("min_threads_per_worker", 1, 1024),
             ("max_batch_size", 1, 256),
@@ -111,8 +122,6 @@ class Policy:
             or not 0 < self.zram_fraction <= 2
         ):
             bad("zram_fraction", "a number above 0 and at most 2")
-        if self.zram_algorithm not in ("zstd", "lz4", "lzo-rle", "lzo"):
-            bad("zram_algorithm", "zstd, lz4, lzo-rle or lzo")
         if self.allowed_cpus is not None and (
             not isinstance(self.allowed_cpus, list)
             or not self.allowed_cpus

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 
 from vlserve.api.dependencies import ReadySubmitter, authorize
+from vlserve.api.protocol import AskResponse
 from vlserve.api.submission import usage_info
-from vlserve.protocol import AskResponse
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 

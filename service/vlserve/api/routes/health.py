@@ -9,7 +9,6 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
-from vlserve import native
 from vlserve.api.dependencies import EngineDep, MetricsDep
 from vlserve.api.errors import error_response, not_ready
 
@@ -29,15 +28,9 @@ async def readyz(engine: EngineDep):
         "status": "ready",
         "queue_depth": engine.queue_depth,
         "running": engine.running,
-        "dtype": engine.dtype,
-        "vision_dtype": engine.vision_dtype,
-        "prefill_dtype": engine.prefill_dtype,
         "prefill_copies_pending": engine.prefill_copies_pending,
         "background_steps_pending": engine.background_steps_pending,
-        "threads": engine.threads,
-        "packed_weights": engine.packed,
-        "quantize": engine.quantize,
-        "kernels": native.status(),
+        **engine.running_as(),
     }
 
 

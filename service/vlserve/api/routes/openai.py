@@ -10,9 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from vlserve.api.dependencies import ReadySubmitter, SettingsDep, authorize
 from vlserve.api.errors import APIError, from_engine_error
-from vlserve.api.submission import Generation, Submitter, usage_info
-from vlserve.images import decode_data_uri, fetch_image_url
-from vlserve.protocol import (
+from vlserve.api.protocol import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
@@ -25,6 +23,8 @@ from vlserve.protocol import (
     UsageInfo,
     completion_id,
 )
+from vlserve.api.submission import Generation, Submitter, usage_info
+from vlserve.runtime.images import decode_data_uri, fetch_image_url
 from vlserve.settings import Settings
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])

@@ -16,7 +16,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from vlserve import native
 from vlserve.api.dependencies import EngineDep, MetricsDep, SettingsDep
 from vlserve.sizing import format_cpu_list
 
@@ -46,7 +45,7 @@ def _host_plan(settings, engine) -> tuple[dict[str, Any] | None, str]:
             return json.loads(path.read_text()), str(path)
         except (OSError, ValueError) as error:
             log.warning("status: cannot read the plan file %s (%s): showing this process's own plan", path, error)
-    return engine.plan, "this process (vlserve serve on auto)"
+    return (engine.loaded_as.plan if engine.loaded_as else None), "this process (vlserve serve on auto)"
 
 
 def plan_view(plan: dict[str, Any], source: str, port: int) -> dict[str, Any]:
@@ -79,7 +78,8 @@ async def status(request: Request, engine: EngineDep, settings: SettingsDep, met
         shown = plan_view(plan, source, port) if plan else None
     except (KeyError, IndexError, TypeError) as error:  # a plan file of another shape
         log.warning("status: the plan from %s lacks %s", source, error)
-        shown = plan_view(engine.plan, "this process", port) if engine.plan else None
+        plan = engine.loaded_as.plan if engine.loaded_as else None
+        shown = plan_view(plan, "this process", port) if plan else None
     return {
         "worker": {
             "name": worker_name(port),
@@ -89,17 +89,7 @@ async def status(request: Request, engine: EngineDep, settings: SettingsDep, met
         },
         "state": engine.state,
         "background_steps_pending": engine.background_steps_pending if engine.ready else None,
-        "running_as": {
-            "dtype": engine.dtype,
-            "vision_dtype": engine.vision_dtype,
-            "prefill_dtype": engine.prefill_dtype,
-            "quantize": engine.quantize,
-            "packed_weights": engine.packed,
-            "threads": engine.threads,
-            "kernels": native.status(),
-        }
-        if engine.model is not None
-        else None,
+        "running_as": engine.running_as(),
         "plan": shown,
         "figures": metrics.snapshot(),
     }

@@ -13,15 +13,20 @@ import hashlib
 import io
 import math
 import urllib.parse
+from dataclasses import dataclass
 
 import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from vlserve.engine import ImageInput
-
 # The size limit is ours (max_image_source_pixels, checked from the header before any decoding),
 # so Pillow's fixed global one, which would pre-empt it with its own message, is switched off.
 Image.MAX_IMAGE_PIXELS = None
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    image: Image.Image
+    key: str  # sha256 of the encoded bytes: the vision cache's key
 
 
 class ImageError(ValueError):

@@ -9,7 +9,7 @@ Two ISA tiers, picked from the CPU and torch's view of it (ATEN_CPU_CAPABILITY h
   GB/s, this one holds 19-20 GB/s); the decoder's norm, rotary and one-query attention in one call each.
 - `avx2` (AVX2, FMA and F16C: every x86-64 server CPU since 2013, and AVX-512 CPUs without VNNI):
   the int8 product (kernels/q8.cpp, equal to the AVX-512 one bit for bit), the norm and the rotary.
-  int4 weights go through torch's int4 kernel there, attention through vlserve.attention's Python path.
+  int4 weights go through torch's int4 kernel there, attention through vlserve.model.attention's Python path.
 
 The int8 product is llama.cpp's Q8_0 x Q8_0 (q8.cpp): weights and inputs rounded per block of 32,
 so an input channel many times larger than the rest coarsens its own block only. It replaces
@@ -47,9 +47,13 @@ from pathlib import Path
 
 import torch
 
+from vlserve.kernels import reference
+from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
+from vlserve.sizing.contract import KERNELS_OWN, KERNELS_STOCK
+
 log = logging.getLogger(__name__)
 
-KERNELS = Path(__file__).parent / "kernels"
+KERNELS = Path(__file__).parent  # the C++ sources sit beside this module
 SOURCES = (KERNELS / "decode_vnni.cpp", KERNELS / "q8.cpp")
 MAX_ROWS = 4  # bf16_linear's rows per call: decode batches up to four; more rows go to oneDNN
 # The ISA tiers, best first: the CPU flags each needs (as /proc/cpuinfo spells them) and the torch CPU
@@ -62,7 +66,6 @@ TIERS = {
 TIER_NAMES = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2"}
 BF16_FLAG = "avx512_bf16"  # bf16_linear's vdpbf16ps, beyond the avx512_vnni tier's flags
 BF16_INPUT_MULTIPLE = 32  # its inputs per vdpbf16ps
-Q8_BLOCK = 32  # the int8 product's inputs per scale (q8.cpp)
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
 BUILD_TIMEOUT_S = 600
 # How far the norm op may be from transformers' RMSNorm, relative: its float32 sum of squares adds in
@@ -201,15 +204,13 @@ def _check(ops, tier: str) -> None:
     """The loaded kernels of `tier` against references on a few shapes: a miscompiled build is not used.
     int8: the exact sum of the same rounded quantities (float64), within float32's accumulation error.
     int4: the same rounded quantities summed in float64."""
-    from vlserve.quantized import q8_reference, q8_tiles, quantize_blocks  # noqa: PLC0415 - it imports this module
-
     generator = torch.Generator().manual_seed(0)
     for rows, inputs, outputs in ((1, 64, 5), (3, 96, 40), (6, 128, 70)):
         values, scales = quantize_blocks(torch.randn(outputs, inputs, generator=generator), torch.float16)
         bias = torch.randn(outputs, generator=generator)
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(rows, inputs, generator=generator) * 10.0 ** torch.arange(rows)[:, None]).to(dtype)
-            expected = q8_reference(x, values, scales, bias)
+            expected = reference.q8_reference(x, values, scales, bias)
             got = ops.q8_linear(x, q8_tiles(values, scales), bias, outputs, tier).double()
             # float32 sums: off by a few units of the row's largest term; bfloat16 rounds each result.
             slack = 1e-5 * expected.abs().amax(dim=1, keepdim=True)
@@ -227,11 +228,9 @@ def _check(ops, tier: str) -> None:
 
 
 def _check_int4(ops, generator: torch.Generator) -> None:
-    from vlserve.quantized import INT4_GROUP as group  # noqa: PLC0415 - it imports this module
-    from vlserve.quantized import _int4_groups, int4_blocks, quantize_blocks  # noqa: PLC0415
-
+    group = INT4_GROUP
     for rows, inputs, outputs in ((1, 128, 64), (2, 64, 128), (5, 96, 64)):
-        levels, scales, lows = _int4_groups(torch.randn(outputs, inputs, generator=generator), group)
+        levels, scales, lows = int4_groups(torch.randn(outputs, inputs, generator=generator), group)
         x = torch.randn(rows, inputs, generator=generator)
         blocks, block_scales = quantize_blocks(x)  # the kernel's input rounding
         x_rounded = (blocks.double().reshape(rows, -1, group) * block_scales.double()[..., None]).reshape(rows, inputs)
@@ -260,11 +259,9 @@ def _check_bf16(ops, generator: torch.Generator) -> None:
 
 def _check_decoder_ops(ops, generator: torch.Generator, attention_op: bool) -> None:
     """The norm and rotary ops against transformers' own (rotary bit for bit, the norm within
-    NORM_TOLERANCE), the attention op against vlserve.attention's Python path (within a unit of
+    NORM_TOLERANCE), the attention op against vlserve.model.attention's Python path (within a unit of
     bfloat16: its float32 sums add in another order, which may move a rounding)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm  # noqa: PLC0415 - only here
-
-    from vlserve import attention  # noqa: PLC0415 - it imports this module
 
     for dtype, tolerance in NORM_TOLERANCE.items():
         norm = Qwen3VLTextRMSNorm(128, eps=1e-6).to(dtype)
@@ -288,7 +285,7 @@ def _check_decoder_ops(ops, generator: torch.Generator, attention_op: bool) -> N
     key, value = (torch.randn(2, 2, 9, 32, generator=generator).bfloat16() for _ in range(2))
     mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     mask[1, ..., :3] = False  # a left-padded sequence
-    expected = attention.one_query_attention(query, key, value, mask, scaling=0.2).float()
+    expected = reference.one_query_attention(query, key, value, mask, scaling=0.2).float()
     got = ops.one_query_attention(query, key, value, mask, 0.2).float()
     if not torch.allclose(got, expected, rtol=2**-7, atol=1e-3):
         raise NativeUnavailable(
@@ -332,15 +329,15 @@ def enable(root: Path | None) -> str:
             _check(ops, tier)
         except NativeUnavailable as error:
             _state.bf16 = False
-            _state.status = "stock kernels: %s" % error
+            _state.status = KERNELS_STOCK + str(error)
             log.info("native kernels: %s", _state.status)
         except (OSError, RuntimeError) as error:  # load_library's and the op's errors
             _state.bf16 = False
-            _state.status = "stock kernels: the built kernels do not load (%s)" % str(error).splitlines()[0]
+            _state.status = KERNELS_STOCK + "the built kernels do not load (%s)" % str(error).splitlines()[0]
             log.warning("native kernels: %s", _state.status)
         else:
             _state.ops, _state.tier = ops, tier
-            _state.status = "vlserve's kernels for %s (%s%s) %s %s" % (
+            _state.status = KERNELS_OWN + "%s (%s%s) %s %s" % (
                 TIER_NAMES[tier],
                 "bf16/" if _state.bf16 else "",
                 TIER_OPS[tier],
@@ -367,7 +364,7 @@ def tier() -> str | None:
 
 def q8_linear():
     """The loaded int8 op for this CPU's tier, or None: (rows, in) float32 or bfloat16 x tiles
-    (quantized.q8_tiles), bias or None, outputs -> (rows, outputs) in the rows' dtype; `in` a multiple
+    (formats.q8_tiles), bias or None, outputs -> (rows, outputs) in the rows' dtype; `in` a multiple
     of Q8_BLOCK."""
     if _state.ops is None:
         return None
@@ -383,26 +380,26 @@ def bf16_linear():
 
 def int4_linear():
     """The loaded int4 op (avx512_vnni tier), or None: (rows, in) float32 or bfloat16 x blocks
-    (quantized.int4_blocks) -> (rows, out) in the rows' dtype."""
+    (formats.int4_blocks) -> (rows, out) in the rows' dtype."""
     return None if _state.tier != "avx512_vnni" else _state.ops.int4_linear
 
 
 def rms_norm():
     """The loaded norm op, or None: (..., d) float32 or bfloat16 rows, (d,) weight of their dtype, eps ->
-    transformers' Qwen3VLTextRMSNorm of them (vlserve.decoderops)."""
+    transformers' Qwen3VLTextRMSNorm of them (vlserve.model.decoderops)."""
     return None if _state.ops is None else _state.ops.rms_norm
 
 
 def rotary():
     """The loaded rotary op, or None: q, k (batch, heads, tokens, dim) and cos, sin (batch, tokens, dim)
-    of one dtype -> transformers' apply_rotary_pos_emb of them (vlserve.decoderops)."""
+    of one dtype -> transformers' apply_rotary_pos_emb of them (vlserve.model.decoderops)."""
     return None if _state.ops is None else _state.ops.rotary
 
 
 def one_query_attention():
     """The loaded attention op (avx512_vnni tier), or None: q (batch, heads, 1, dim), key and value
     (batch, kv_heads, tokens, dim) with a contiguous last dimension, mask or None, scale -> (batch, 1,
-    heads, dim) as vlserve.attention.one_query_attention computes it."""
+    heads, dim) as kernels/reference.py's one_query_attention computes it."""
     return None if _state.tier != "avx512_vnni" else _state.ops.one_query_attention
 
 

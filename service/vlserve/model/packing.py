@@ -1,7 +1,7 @@
 """The language model's linear layers in the service's own layer, whose weight lives in a kernel's
 layout: oneDNN-packed bfloat16 (below), plain bfloat16 for vlserve's own decode product
 (`NativeBf16Weight`, where that loads: it replaces the packed layout), plain bfloat16 (`PlainWeight`,
-CPUs without AVX-512 BF16), or int8 / int4 at the policy's quantize levels (vlserve/quantized.py).
+CPUs without AVX-512 BF16), or int8 / int4 at the policy's quantize levels (vlserve/kernels/quantized.py).
 Every format shares the fused projections and the prompt copies described here.
 
 Decoding one token is a chain of matrix-vector products that read every weight once, so its speed is
@@ -43,13 +43,20 @@ from collections.abc import Callable
 
 import torch
 
-from vlserve import native
-from vlserve.quantized import INT8_PREFILL_ROWS, Int4Weight, Int8Weight, exact_format, quantize_vision_tower, whole
+from vlserve.kernels import native
+from vlserve.kernels.quantized import (
+    INT8_PREFILL_ROWS,
+    Int4Weight,
+    Int8Linear,
+    Int8Weight,
+    whole,
+)
+from vlserve.model.outliers import exact_format
+from vlserve.sizing.contract import QUANTIZE_LEVELS
 
 # Sibling projections of one input in Qwen3-VL's decoder layers (attention; MLP), packed together.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 PREFILL_ROWS = 64  # from here on a float32 product beats the packed bf16 one (crossover ~48 rows measured)
-LEVELS = ("none", "int8", "int4")  # the sizing policy's quantize levels
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -120,9 +127,9 @@ class PackedBf16Weight(DeferredBf16Weight):
 
 class NativeBf16Weight(DeferredBf16Weight):
     """A bfloat16 weight in its plain (out, in) layout whose decode steps (1-4 rows) go through
-    vlserve's own AVX-512 BF16 product (vlserve.native), prompts through `F.linear` (oneDNN: AMX where
+    vlserve's own AVX-512 BF16 product (vlserve.kernels.native), prompts through `F.linear` (oneDNN: AMX where
     the CPU has it). On AMX CPUs oneDNN's one-row products on the packed layout swing between about
-    9 and 20 GB/s; the own product holds the memory's speed (vlserve/native.py has the figures).
+    9 and 20 GB/s; the own product holds the memory's speed (vlserve/kernels/native.py has the figures).
     Laid out, it is one owned matrix (fused members concatenated), out of the checkpoint's map."""
 
     def __init__(
@@ -293,7 +300,7 @@ def weight_formats(level: str, packed: bool = True, native: bool = False) -> tup
         return Int8Weight, head
     if level == "int4":
         return Int4Weight, head
-    raise ValueError("quantize level must be one of %s, not %r" % (", ".join(LEVELS), level))
+    raise ValueError("quantize level must be one of %s, not %r" % (", ".join(QUANTIZE_LEVELS), level))
 
 
 def pack_language_model(
@@ -315,14 +322,14 @@ def pack_language_model(
     `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower is not packed: it runs
     once per image on hundreds of rows at a time, where the plain kernels are already compute-bound;
     `vision_dtype` converts it on the way out of the memory map (one copy instead of two); int8
-    quantizes its linear layers (vlserve/quantized.py).
+    quantizes its linear layers (vlserve/kernels/quantized.py).
     `prefill_dtype`: the decoder layers' copy for prompts (the head only ever sees the last row), made
     later by `make_prefill_copy` on each layer that `pending_prefill_copies` lists.
     `prepared` (weightcache.PreparedWeights): quantized weights taken from the weight cache by layer
     name instead of being rounded again, and those rounded here kept for it.
     `defer_layouts`: leave oneDNN's reorders to `layout_steps` (the worker runs them after ready).
     `channels`: the residual streams' outlier channels, which quantized layers keep exact
-    (vlserve/outliers.py); a fused group is named by its first member.
+    (vlserve/model/outliers.py); a fused group is named by its first member.
     """
     convert_vision_tower(model, vision_dtype, prepared, defer_layouts, channels)
     decoder_weight, head_weight = weight_formats(level, packed, native)
@@ -429,3 +436,26 @@ def checkpoint_copy_steps(model: torch.nn.Module, checkpoint_dtype: torch.dtype)
             if buffer is not None:
                 steps.append(functools.partial(copy_buffer, module, name))
     return steps
+
+
+def quantize_vision_tower(
+    visual: torch.nn.Module, prepared=None, prefix: str = "visual", channels: dict[str, list[int]] | None = None
+) -> int:
+    """Every linear layer of the vision tower to `Int8Linear`, the rest (norms, patch embedding) to
+    float32; returns how many layers were quantized. Quantizing first spares a float32 copy of them.
+    `prepared` (a weightcache.PreparedWeights): weights taken from the cache, or kept for it, by name
+    under `prefix`; `channels`: the streams' outlier channels, kept exact (vlserve/model/outliers.py)."""
+    count = 0
+    for parent_name, parent in list(visual.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                full = ".".join(part for part in (prefix, parent_name, name) if part)
+                fmt = exact_format(Int8Weight, full, channels)
+                make = functools.partial(fmt, child.weight, child.bias)
+                shape = tuple(child.weight.shape)
+                weight = make() if prepared is None else prepared.weight(full, fmt, make, shape)
+                layer = Int8Linear(child.in_features, child.out_features, weight)
+                setattr(parent, name, layer)
+                count += 1
+    visual.to(torch.float32)
+    return count

@@ -19,7 +19,7 @@ try:  # In the vlserve package, and as Ansible module_utils next to vlserve_sizi
 except ImportError:  # pragma: no cover - on targets
     from ansible.module_utils import vlserve_sizing as sizing
 
-AUDIT_SCHEMA = "vlserve.audit/1"
+AUDIT_SCHEMA = "vlserve.ops.audit/1"
 # What the tuning roles write, and so what the audit reads back: the roles take these paths from
 # the vlserve_facts role (`vlserve_tuning_files`), so both sides name each file once, here.
 TUNING_FILES = {

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from vlserve.kernels.quantized import ExactFormat
+
 log = logging.getLogger(__name__)
 
 OUTLIER_RATIO = 8.0
@@ -147,3 +149,14 @@ def channels_for(model: torch.nn.Module, processor: Any, prepared) -> dict[str, 
     """The streams' outlier channels: from the weight cache where it has them, else found now (and kept
     for it). `prepared` is the weightcache.PreparedWeights the loader rounds into."""
     return prepared.weight("outlier_channels", ChannelSets, lambda: ChannelSets(find(model, processor))).channels
+
+
+def exact_format(inner_format, name: str, channels: dict[str, list[int]] | None):
+    """`inner_format` for the layer `name`, keeping the outlier `channels` of the streams it reads and
+    writes exact (this module); the format itself where it touches none."""
+    if not channels:
+        return inner_format
+    reads, writes = roles(name)
+    columns = channels.get(reads) if reads else None
+    rows = channels.get(writes) if writes else None
+    return ExactFormat(inner_format, columns, rows) if columns or rows else inner_format

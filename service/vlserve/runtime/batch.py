@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from vlserve.kvcache import new_cache
+from vlserve.runtime.kvcache import new_cache
 
 
 @dataclass

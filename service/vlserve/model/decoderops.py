@@ -7,9 +7,9 @@ its rotary embedding 12 per layer. vlserve's library (kernels/decode_vnni.cpp) d
 with the same roundings: rotary bit for bit, the norm within native.NORM_TOLERANCE (its float32 sum
 of squares adds in another order: a few units in float32's last place, at most one in bfloat16's).
 Measured on the build VM (2 threads, one token): a norm 21 -> 5 us, a layer's rotary 28 -> 9 us.
-The attention's own op is chosen in vlserve.attention.
+The attention's own op is chosen in vlserve.model.attention.
 
-Used where the library serves the quantized levels (vlserve.native); elsewhere transformers' own
+Used where the library serves the quantized levels (vlserve.kernels.native); elsewhere transformers' own
 modules run.
 """
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 
-from vlserve import native
+from vlserve.kernels import native
 
-_stock_rotary = modeling_qwen3_vl.apply_rotary_pos_emb
+# transformers' own function, whatever model/patches.py later puts in its place
+STOCK_ROTARY = modeling_qwen3_vl.apply_rotary_pos_emb
 
 
 class NativeRMSNorm(torch.nn.Module):
@@ -39,18 +40,19 @@ class NativeRMSNorm(torch.nn.Module):
         return "%s, eps=%s, native" % (tuple(self.weight.shape), self.variance_epsilon)
 
 
-def _rotary(q, k, cos, sin, unsqueeze_dim=1):
+def rotary(q, k, cos, sin, unsqueeze_dim=1):
     """apply_rotary_pos_emb's signature: (batch, heads, tokens, dim) queries and keys, (batch, tokens,
     dim) tables; other layouts or dtypes go to transformers' function."""
     op = native.rotary()
     if op is None or unsqueeze_dim != 1 or q.dtype != cos.dtype or q.dtype not in (torch.bfloat16, torch.float32):
-        return _stock_rotary(q, k, cos, sin, unsqueeze_dim)
+        return STOCK_ROTARY(q, k, cos, sin, unsqueeze_dim)
     return op(q, k, cos, sin)
 
 
 def use_for(model: torch.nn.Module) -> int:
-    """Swap the language model's RMSNorms and rotary for the native ops when they are loaded; returns
-    how many norms were swapped (0: the library is not loaded, nothing changed)."""
+    """Swap the language model's RMSNorms for the native op when it is loaded; returns how many norms
+    were swapped (0: the library is not loaded, nothing changed; else the caller applies the rotary
+    too, model/patches.py)."""
     op = native.rms_norm()
     if op is None:
         return 0
@@ -63,7 +65,4 @@ def use_for(model: torch.nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, NativeRMSNorm(child, op))
-    # The attention module calls this module-level function by name; only the text attention uses it
-    # (the vision tower has its own), and _rotary hands anything it does not take back to it.
-    modeling_qwen3_vl.apply_rotary_pos_emb = _rotary
     return len(swaps)

@@ -16,14 +16,14 @@ import anyio
 from fastapi import FastAPI
 
 import vlserve
-from vlserve import notify
+from vlserve.api import notify
 from vlserve.api.errors import install_error_handlers
 from vlserve.api.middleware import BodyLimitMiddleware, request_counter
 from vlserve.api.routes import ask, health, openai, page, status
 from vlserve.api.submission import Submitter
-from vlserve.engine import Engine
 from vlserve.errors import ModelDirectoryError
-from vlserve.metrics import Metrics
+from vlserve.runtime.engine import Engine
+from vlserve.runtime.metrics import Metrics
 from vlserve.settings import Settings
 
 log = logging.getLogger("vlserve")
@@ -47,9 +47,10 @@ def create_app(
             if on_fatal is not None:
                 on_fatal(message)
             return
+        running = engine.loaded_as
         notify.ready(
             "ready: %s, %s%s, %d threads"
-            % (settings.server.served_model_name, engine.dtype, " packed" if engine.packed else "", engine.threads)
+            % (settings.server.served_model_name, running.dtype, " packed" if running.packed else "", running.threads)
         )
         log.info("ready on %s:%d", settings.server.host, settings.server.port)
 

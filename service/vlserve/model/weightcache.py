@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from vlserve import native
-from vlserve.quantized import INT4_GROUP
+from vlserve.kernels import native
+from vlserve.kernels.formats import INT4_GROUP
 
 log = logging.getLogger(__name__)
 

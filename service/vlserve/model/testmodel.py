@@ -287,7 +287,7 @@ def make_test_model(
         Qwen2VLImageProcessorPil,
     )
 
-    from vlserve.processor import ImageOnlyQwen3VLProcessor  # noqa: PLC0415
+    from vlserve.model.processor import ImageOnlyQwen3VLProcessor  # noqa: PLC0415
 
     config, tokenizer = model_config(size)  # refuses an unknown size before anything is written
     outlier_channels(min(config.text_config.hidden_size, config.vision_config.hidden_size), outliers, seed)

@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from vlserve import native
 from vlserve.bench.workload import QUESTIONS, synthetic_photo
-from vlserve.loader import load_model
+from vlserve.kernels import native
+from vlserve.model.loader import load_model
 from vlserve.settings import LimitSettings, ModelSettings
+from vlserve.sizing.contract import QUANTIZED_LEVELS
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CheckOptions:
     model: Path
-    levels: tuple[str, ...] = ("int8", "int4")
+    levels: tuple[str, ...] = QUANTIZED_LEVELS
     prompts: int = 4
     answer_tokens: int = 32
     image_size: tuple[int, int] = (448, 448)
@@ -100,8 +101,8 @@ def ran_on(loaded) -> dict[str, str]:
     return {
         "isa": native.TIER_NAMES.get(tier, "none") if tier else "torch at %s" % torch.backends.cpu.get_cpu_capability(),
         "kernels": native.status(),
-        "vision_dtype": loaded.vision_dtype,
-        "prefill_dtype": loaded.prefill_dtype,
+        "vision_dtype": loaded.choices.vision_dtype,
+        "prefill_dtype": loaded.choices.prefill_dtype,
     }
 
 
@@ -138,7 +139,7 @@ def quant_check(options: CheckOptions) -> dict[str, Any]:
         kl = torch.cat(divergences)
         per_prompt = [float(d.mean()) for d in divergences]
         result["levels"][level] = {
-            "quantize": rounded.quantize,
+            "quantize": rounded.choices.quantize,
             "agreement": agree / total,
             "kl_mean": float(kl.mean()),
             "kl_prompt_means": per_prompt,  # the spread: a few sensitive positions can carry the mean

@@ -12,15 +12,18 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vlserve import attention, decoderops, native, outliers, sizing
+from vlserve import sizing
 from vlserve.errors import ModelDirectoryError
-from vlserve.packing import (
+from vlserve.kernels import native
+from vlserve.kernels.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
+from vlserve.model import outliers, patches
+from vlserve.model.packing import (
     checkpoint_copy_steps,
     convert_vision_tower,
     layout_steps,
@@ -28,9 +31,8 @@ from vlserve.packing import (
     packing_supported,
     pending_prefill_copies,
 )
-from vlserve.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
+from vlserve.model.weightcache import PreparedWeights, WeightCache
 from vlserve.settings import LimitSettings, ModelSettings
-from vlserve.weightcache import PreparedWeights, WeightCache
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +116,15 @@ def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | 
 
 @dataclass
 class LoadedModel:
-    """A loaded model and what the scheduler needs to know of it."""
+    """A loaded model and what the scheduler needs to know of it: `choices` as they were taken (a
+    choice this host cannot run falls back: int4 without torch's int4 kernels, int8 prompts without
+    vlserve's int8 product, packed weights without oneDNN's)."""
 
     model: Any
     processor: Any
-    threads: int
-    dtype: str
-    vision_dtype: str
-    prefill_dtype: str
-    packed: bool
-    quantize: str
+    choices: LoadChoices
     pad_id: int
     eos_ids: set[int]
-    plan: dict[str, Any] | None = None  # `LoadChoices.plan`
     layout_steps: list[Callable[[], None]] = field(default_factory=list)  # weights still in a plain layout
     prefill_copies: list = field(default_factory=list)  # layers still waiting for their prompt copy
     map_copies: list[Callable[[], None]] = field(default_factory=list)  # tensors still in the checkpoint's map
@@ -143,11 +141,22 @@ class LoadedModel:
         self.layout_steps, self.prefill_copies, self.map_copies = [], [], []
 
 
+@dataclass
+class _Taken:
+    """What loading has taken so far of the choices, and the work it leaves for after ready."""
+
+    vision_dtype: str
+    prefill_dtype: str
+    packed: bool = False
+    prefill_copies: list = field(default_factory=list)
+    map_copies: list = field(default_factory=list)
+
+
 def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[str], None]) -> LoadedModel:
     """Load the processor and the model as `choose` decides; call it on the thread that will run the model."""
     from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415 - slow import, loaded once
 
-    from vlserve.processor import load_processor  # noqa: PLC0415
+    from vlserve.model.processor import load_processor  # noqa: PLC0415
 
     path = Path(model.model)
     choices = choose(model, limits)
@@ -167,22 +176,17 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     load_dtype = getattr(torch, choices.dtype) if level == "none" else torch.bfloat16
     network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=load_dtype)
     network.eval()
-    attention.use_for(network)
-    vision_dtype, prefill_dtype = choices.vision_dtype, choices.prefill_dtype
-    if level != "none" or "int8" in (vision_dtype, prefill_dtype):
+    patches.attend_through_vlserve(network)
+    taken = _Taken(choices.vision_dtype, choices.prefill_dtype)
+    if level != "none" or "int8" in (taken.vision_dtype, taken.prefill_dtype):
         # Before any weight or cache file is opened: the int8 and int4 weights' layouts (and so their
         # cache file) depend on whether vlserve's kernels run, and so does the speed of int8 products.
         status("loading vlserve's kernels (built once per host)")
         native.enable(model.native_kernel_root())
-    if "int8" in (vision_dtype, prefill_dtype) and not int8_products_supported():
-        # Prompts fall back to the model's own weights: a float32 copy would be 4x the int8 one the plan counted.
-        log.warning("vlserve's int8 product is not loaded (%s): images and prompts in float", native.status())
-        vision_dtype = "float32" if vision_dtype == "int8" else vision_dtype
-        prefill_dtype = choices.dtype if prefill_dtype == "int8" else prefill_dtype
-    packed, prefill_copies, map_copies = False, [], []
+    _without_int8_products(taken, choices)
     # Quantized weights come from the weight cache where it has them (at any level, the vision tower's too).
     root = model.weight_cache_root()
-    rounds = level != "none" or vision_dtype == "int8"
+    rounds = level != "none" or taken.vision_dtype == "int8"
     cache = WeightCache(root, path, level) if root is not None and rounds else None
     prepared = cache.open() if cache is not None else PreparedWeights()
     # The residual streams' outlier channels, which rounded layers keep exact: found on the exact model
@@ -192,65 +196,27 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         status("finding the outlier channels (once per weight cache)")
         channels = outliers.channels_for(network, processor, prepared)
     if level != "none":
-        status("quantizing the language model to %s" % level)
-        copy = prefill_dtype if prefill_dtype not in (level, choices.dtype) else None
-        count = pack_language_model(
+        _quantized(
             network,
-            vision_dtype=getattr(torch, vision_dtype),
-            prefill_dtype=None if copy is None else getattr(torch, copy),
+            taken,
+            choices=choices,
             level=level,
             prepared=prepared,
-            defer_layouts=True,
             channels=channels,
+            load_dtype=load_dtype,
+            status=status,
         )
-        if choices.dtype != "bfloat16":
-            network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
-        decoderops.use_for(network)  # the norms and rotary in one call each, where the library loaded
-        prefill_dtype = copy or level
-        prefill_copies = pending_prefill_copies(network)
-        map_copies = checkpoint_copy_steps(network, load_dtype)
-        log.info("quantized %d linear layers to %s (prompts in %s)", count, level, prefill_dtype)
     else:
-        # Where the plan packs bfloat16 weights and vlserve's own bfloat16 product loads, the weights
-        # stay plain for it instead: it decodes at the memory's speed where oneDNN's one-row products
-        # on AMX swing (vlserve/native.py), and prompts still run on oneDNN. Same memory as packed.
-        own = False
-        if choices.packed and network.dtype == torch.bfloat16 and packing_supported(network.dtype):
-            status("loading vlserve's kernels (built once per host)")
-            native.enable(model.native_kernel_root())
-            own = native.bf16_linear() is not None
-        packed = not own and choices.packed and packing_supported(network.dtype)
-        if choices.packed and not (packed or own):
-            log.warning("packed %s weights are not available on this CPU: decoding from plain weights", choices.dtype)
-        # A bfloat16 model whose prompts want a float32 copy keeps its layers in the service's own
-        # linear layers even unpacked (CPUs without oneDNN's bf16 kernels, docs/sizing.md).
-        plain_with_copy = network.dtype == torch.bfloat16 and prefill_dtype == "float32"
-        if packed or own or plain_with_copy:
-            status("packing weights for oneDNN" if packed else "taking the weights out of the checkpoint")
-            count = pack_language_model(
-                network,
-                vision_dtype=getattr(torch, vision_dtype),
-                prefill_dtype=getattr(torch, prefill_dtype),
-                packed=packed,
-                native=own,
-                prepared=prepared,
-                defer_layouts=True,
-                channels=channels,
-            )
-            if own:
-                decoderops.use_for(network)
-            prefill_copies = pending_prefill_copies(network)
-            map_copies = checkpoint_copy_steps(network, load_dtype)
-            how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
-            log.info("%s %d linear layers (prompts in %s)", how, count, prefill_dtype)
-        else:
-            convert_vision_tower(network, getattr(torch, vision_dtype), prepared, True, channels)
-            if prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
-                add_int8_prompt_copies(network.model.language_model)
-                prefill_copies = pending_prefill_copies(network)
-            else:
-                prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
-        packed = packed or own  # the plan's choice, taken: the weights in a decode kernel's layout
+        _exact(
+            network,
+            taken,
+            choices=choices,
+            model=model,
+            prepared=prepared,
+            channels=channels,
+            load_dtype=load_dtype,
+            status=status,
+        )
     if cache is not None:
         cache.write(prepared)  # only when something was rounded here
     tokenizer = processor.tokenizer
@@ -262,22 +228,101 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         path,
         time.monotonic() - started,
         choices.dtype,
-        vision_dtype,
+        taken.vision_dtype,
         choices.threads,
     )
     return LoadedModel(
         model=network,
         processor=processor,
-        threads=choices.threads,
-        dtype=choices.dtype,
-        vision_dtype=vision_dtype,
-        prefill_dtype=prefill_dtype,
-        packed=packed,
-        quantize=level,
+        choices=replace(
+            choices,
+            vision_dtype=taken.vision_dtype,
+            prefill_dtype=taken.prefill_dtype,
+            packed=taken.packed,
+            quantize=level,
+        ),
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         eos_ids=eos_ids,
-        plan=choices.plan,
         layout_steps=layout_steps(network),
-        prefill_copies=prefill_copies,
-        map_copies=map_copies,
+        prefill_copies=taken.prefill_copies,
+        map_copies=taken.map_copies,
     )
+
+
+def _without_int8_products(taken: _Taken, choices: LoadChoices) -> None:
+    """Images and prompts in float where vlserve's int8 product did not load."""
+    if "int8" in (taken.vision_dtype, taken.prefill_dtype) and not int8_products_supported():
+        # Prompts fall back to the model's own weights: a float32 copy would be 4x the int8 one the plan counted.
+        log.warning("vlserve's int8 product is not loaded (%s): images and prompts in float", native.status())
+        taken.vision_dtype = "float32" if taken.vision_dtype == "int8" else taken.vision_dtype
+        taken.prefill_dtype = choices.dtype if taken.prefill_dtype == "int8" else taken.prefill_dtype
+
+
+def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prepared, channels, load_dtype, status):
+    """The language model's linear layers rounded to `level` (int8 or int4), from the weight cache
+    where it holds them."""
+    status("quantizing the language model to %s" % level)
+    copy = taken.prefill_dtype if taken.prefill_dtype not in (level, choices.dtype) else None
+    count = pack_language_model(
+        network,
+        vision_dtype=getattr(torch, taken.vision_dtype),
+        prefill_dtype=None if copy is None else getattr(torch, copy),
+        level=level,
+        prepared=prepared,
+        defer_layouts=True,
+        channels=channels,
+    )
+    if choices.dtype != "bfloat16":
+        network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
+    patches.decode_through_vlserve(network)  # the norms and rotary in one call each, where the library loaded
+    taken.prefill_dtype = copy or level
+    taken.prefill_copies = pending_prefill_copies(network)
+    taken.map_copies = checkpoint_copy_steps(network, load_dtype)
+    log.info("quantized %d linear layers to %s (prompts in %s)", count, level, taken.prefill_dtype)
+
+
+def _exact(
+    network, taken: _Taken, *, choices: LoadChoices, model: ModelSettings, prepared, channels, load_dtype, status
+):
+    """The exact level: weights packed for oneDNN, taken by vlserve's bfloat16 product, or left as loaded.
+
+    Where the plan packs bfloat16 weights and vlserve's own bfloat16 product loads, the weights stay
+    plain for it instead: it decodes at the memory's speed where oneDNN's one-row products on AMX
+    swing (vlserve/kernels/native.py), and prompts still run on oneDNN. Same memory as packed."""
+    own = False
+    if choices.packed and network.dtype == torch.bfloat16 and packing_supported(network.dtype):
+        status("loading vlserve's kernels (built once per host)")
+        native.enable(model.native_kernel_root())
+        own = native.bf16_linear() is not None
+    packed = not own and choices.packed and packing_supported(network.dtype)
+    if choices.packed and not (packed or own):
+        log.warning("packed %s weights are not available on this CPU: decoding from plain weights", choices.dtype)
+    # A bfloat16 model whose prompts want a float32 copy keeps its layers in the service's own
+    # linear layers even unpacked (CPUs without oneDNN's bf16 kernels, docs/sizing.md).
+    plain_with_copy = network.dtype == torch.bfloat16 and taken.prefill_dtype == "float32"
+    if packed or own or plain_with_copy:
+        status("packing weights for oneDNN" if packed else "taking the weights out of the checkpoint")
+        count = pack_language_model(
+            network,
+            vision_dtype=getattr(torch, taken.vision_dtype),
+            prefill_dtype=getattr(torch, taken.prefill_dtype),
+            packed=packed,
+            native=own,
+            prepared=prepared,
+            defer_layouts=True,
+            channels=channels,
+        )
+        if own:
+            patches.decode_through_vlserve(network)
+        taken.prefill_copies = pending_prefill_copies(network)
+        taken.map_copies = checkpoint_copy_steps(network, load_dtype)
+        how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
+        log.info("%s %d linear layers (prompts in %s)", how, count, taken.prefill_dtype)
+    else:
+        convert_vision_tower(network, getattr(torch, taken.vision_dtype), prepared, True, channels)
+        if taken.prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
+            add_int8_prompt_copies(network.model.language_model)
+            taken.prefill_copies = pending_prefill_copies(network)
+        else:
+            taken.prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
+    taken.packed = packed or own  # the plan's choice, taken: the weights in a decode kernel's layout

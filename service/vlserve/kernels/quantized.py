@@ -24,7 +24,7 @@ what it costs):
   rows, so prompts may use an int8 copy.
 
 A few channels of a residual stream can be far larger than the rest in trained models; the layers
-around them keep those channels exact (vlserve/outliers.py): an `ExactChannels` weight wraps the
+around them keep those channels exact (vlserve/model/outliers.py): an `ExactChannels` weight wraps the
 rounded one.
 
 Measured with torch 2.13 at 2 threads, forty 6144x2048 products (a working set beyond the cache),
@@ -40,17 +40,22 @@ import functools
 
 import torch
 
-from vlserve import native
+from vlserve.kernels import native
+from vlserve.kernels.formats import (
+    INT4_BLOCK_ROWS,
+    INT4_GROUP,
+    INT4_ROW_BLOCK,
+    Q8_BLOCK,
+    Q8_STEP,
+    int4_blocks,
+    int4_groups,
+    q8_tiles,
+    q8_untiled,
+    quantize_blocks,
+    quantize_rows,
+)
 
-INT8_MAX = 127
 INT8_PREFILL_ROWS = 16  # int8 overtakes the packed bf16 product from ~8 rows (2048x6144: 1.4 vs 2.4 ms at 16)
-Q8_BLOCK = native.Q8_BLOCK  # inputs per scale of the int8 format, weights and inputs alike
-Q8_TILE = 16  # outputs per tile of its kernel's layout
-Q8_STEP = 8 * 64 + Q8_TILE * 2  # bytes per tile and block: eight lines of weights, sixteen fp16 scales
-INT4_GROUP = 32
-INT4_LEVELS = 15
-INT4_ROW_BLOCK = 16  # torch's int4 kernel holds outputs in blocks of 16
-INT4_BLOCK_ROWS = 64  # vlserve's, in blocks of 64 (one stream of bytes per 64 outputs)
 QUANTIZE_CHUNK_ROWS = 4096  # rows quantized at a time: the output head's float32 temporaries stay ~32 MB
 
 
@@ -74,70 +79,6 @@ def int4_supported() -> bool:
 def whole(weight: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """A fused group's weight (packing.PackedGroup hands over its members' parts) as one matrix."""
     return torch.cat(weight) if isinstance(weight, list) else weight
-
-
-def quantize_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (values, float32 scales) with matrix ~= values * scales[:, None]."""
-    wide = matrix.float()
-    scales = (wide.abs().amax(dim=1) / INT8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
-    values = (wide / scales[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return values, scales
-
-
-def quantize_blocks(matrix: torch.Tensor, scale_dtype: torch.dtype = torch.float32):
-    """Symmetric int8 per block of Q8_BLOCK along each row, as kernels/q8.cpp rounds inputs (float32
-    scales) and llama.cpp's Q8_0 weights (fp16 scales): (values (rows, in), scales (rows, in / 32))
-    with matrix ~= values * scales per block. A block whose step is 0 in `scale_dtype` is all zeros."""
-    rows, columns = matrix.shape
-    blocks = matrix.float().reshape(rows, columns // Q8_BLOCK, Q8_BLOCK)
-    scales = (blocks.abs().amax(dim=-1) / INT8_MAX).to(scale_dtype)
-    step = scales.float()[..., None]
-    values = torch.where(step > 0, blocks / step, 0.0).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return values.reshape(rows, columns), scales
-
-
-def q8_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-    """kernels/q8.cpp's product in float64: rows rounded per block, integer sums per block, each times
-    its two scales (float32, as the kernel multiplies them), summed (the kernel in float32)."""
-    q, row_scales = quantize_blocks(rows)
-    outputs, columns = values.shape
-    blocks = columns // Q8_BLOCK
-    sums = torch.einsum(
-        "rgk,ogk->rog",
-        q.double().reshape(-1, blocks, Q8_BLOCK),
-        values.double().reshape(outputs, blocks, Q8_BLOCK),
-    )
-    factors = (scales.float()[None] * row_scales[:, None]).double()  # (rows, outputs, blocks)
-    out = (sums * factors).sum(-1)
-    return out if bias is None else out + bias.double()
-
-
-def q8_tiles(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Q8_0 values (out, in) int8 and fp16 scales (out, in / 32) -> kernels/q8.cpp's layout, uint8 of
-    shape (ceil(out / 16), in / 32 * 544): per tile of 16 outputs and block of 32 inputs, eight 64-byte
-    lines whose byte 4o + i of line l holds output o's input 4l + i plus 128, then the 16 fp16 scales.
-    Outputs past `out` (to a multiple of 16) are zero weights."""
-    outputs, columns = values.shape
-    tiles, blocks = -(-outputs // Q8_TILE), columns // Q8_BLOCK
-    padding = tiles * Q8_TILE - outputs
-    shifted = (values.to(torch.int16) + 128).to(torch.uint8)
-    if padding:
-        shifted = torch.cat([shifted, torch.full((padding, columns), 128, dtype=torch.uint8)])
-        scales = torch.cat([scales, scales.new_zeros(padding, blocks)])
-    lines = shifted.reshape(tiles, Q8_TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 512)
-    scale_bytes = scales.to(torch.float16).reshape(tiles, Q8_TILE, blocks).transpose(1, 2).contiguous()
-    return torch.cat([lines, scale_bytes.view(torch.uint8)], dim=2).reshape(tiles, blocks * Q8_STEP).contiguous()
-
-
-def q8_untiled(tiles: torch.Tensor, outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`q8_tiles`' inverse: (values (out, in) int8, fp16 scales (out, in / 32))."""
-    count, width = tiles.shape
-    blocks = width // Q8_STEP
-    parts = tiles.reshape(count, blocks, Q8_STEP)
-    lines = parts[..., :512].reshape(count, blocks, 8, Q8_TILE, 4).permute(0, 3, 1, 2, 4)
-    values = (lines.reshape(count * Q8_TILE, blocks * Q8_BLOCK).to(torch.int16) - 128).to(torch.int8)
-    scales = parts[..., 512:].contiguous().view(torch.float16).transpose(1, 2).reshape(count * Q8_TILE, blocks)
-    return values[:outputs], scales[:outputs]
 
 
 def _in_chunks(matrix: torch.Tensor, quantize) -> tuple[torch.Tensor, ...]:
@@ -217,38 +158,6 @@ class Int8Weight:
         return (values.float().reshape(self.shape[0], -1, Q8_BLOCK) * scales.float()[..., None]).reshape(self.shape)
 
 
-def _int4_groups(matrix: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit per group of `group` inputs: (levels 0..15 as int32, scales, lows) with
-    weight ~= level * scale + low (torch's kernels take zero = low + 8 * scale instead)."""
-    rows, columns = matrix.shape
-    grouped = matrix.float().reshape(rows, columns // group, group)
-    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
-    scales = ((high - low) / INT4_LEVELS).clamp_(min=torch.finfo(torch.float32).tiny)
-    levels = ((grouped - low[..., None]) / scales[..., None]).round_().clamp_(0, INT4_LEVELS)
-    return levels.to(torch.int32).reshape(rows, columns), scales, low
-
-
-def int4_blocks(levels: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
-    """Levels (out, in) 0..15 with scales and lows (out, in / 32) -> vlserve's int4 kernel's layout
-    (kernels/decode_vnni.cpp), (out / 64, in / 32 * 1280) bytes: per 64 outputs and group of 32 inputs,
-    four tiles of 16 outputs, each four 64-byte lines whose byte j holds output j // 4's inputs
-    8l + j % 4 (low nibble) and 8l + 4 + j % 4 (high nibble); then per tile and output a 32-bit word,
-    its bfloat16 scale in the low half and its bfloat16 low value in the high half."""
-    rows, columns = levels.shape
-    blocks, groups = rows // INT4_BLOCK_ROWS, columns // INT4_GROUP
-    tiles = INT4_BLOCK_ROWS // INT4_ROW_BLOCK
-    split = levels.to(torch.uint8).reshape(blocks, tiles, INT4_ROW_BLOCK, groups, 4, 2, 4)
-    split = split.permute(0, 3, 1, 4, 2, 6, 5)  # block, group, tile, line, output, input % 4, nibble
-    nibbles = (split[..., 0] | (split[..., 1] << 4)).reshape(blocks, groups, tiles * INT4_GROUP * INT4_ROW_BLOCK // 2)
-
-    def bits(values: torch.Tensor) -> torch.Tensor:
-        return values.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-
-    words = (bits(scales) | (bits(lows) << 16)).reshape(blocks, tiles * INT4_ROW_BLOCK, groups).transpose(1, 2)
-    params = words.contiguous().view(torch.uint8)  # (blocks, groups, 4 * 64) little-endian words
-    return torch.cat([nibbles, params], dim=2).reshape(blocks, -1).contiguous()
-
-
 class Int4Weight:
     """A linear layer's weight as 4-bit levels in groups of `group` inputs, in its kernel's layout:
     vlserve's own (`tiled`, native.py: groups of 32, outputs a multiple of 64) where it runs, else
@@ -273,7 +182,7 @@ class Int4Weight:
                 "int4 needs inputs in groups of %d and outputs in blocks of %d, not a %dx%d weight"
                 % (group, INT4_ROW_BLOCK, rows, columns)
             )
-        levels, scales, lows = _in_chunks(weight.detach(), functools.partial(_int4_groups, group=group))
+        levels, scales, lows = _in_chunks(weight.detach(), functools.partial(int4_groups, group=group))
         self.shape, self.group = (rows, columns), group
         self.tiled = group == INT4_GROUP and rows % INT4_BLOCK_ROWS == 0 and native.int4_linear() is not None
         if self.tiled:
@@ -343,7 +252,7 @@ class Int4Weight:
 
 class ExactChannels:
     """A rounded weight (`Int8Weight`, `Int4Weight`) with a few channels kept as the checkpoint has them
-    (vlserve/outliers.py says which and why): input `columns`, whose weights are kept in float32 and
+    (vlserve/model/outliers.py says which and why): input `columns`, whose weights are kept in float32 and
     whose inputs leave the rounded product (zeroed there) to be multiplied apart; output `rows`, whose
     results come from the checkpoint's weights. The rounded weight holds zeros in those places, so its
     scales are those of the rest."""
@@ -443,19 +352,6 @@ class ExactFormat:
         return self.inner_format.from_tensors(tensors)
 
 
-def exact_format(inner_format, name: str, channels: dict[str, list[int]] | None):
-    """`inner_format` for the layer `name`, keeping the outlier `channels` of the streams it reads and
-    writes exact (vlserve/outliers.py); the format itself where it touches none."""
-    from vlserve import outliers  # noqa: PLC0415 - a small module, imported where it is needed
-
-    if not channels:
-        return inner_format
-    reads, writes = outliers.roles(name)
-    columns = channels.get(reads) if reads else None
-    rows = channels.get(writes) if writes else None
-    return ExactFormat(inner_format, columns, rows) if columns or rows else inner_format
-
-
 class Int8Linear(torch.nn.Module):
     """`nn.Linear` through `Int8Weight`; returns the input's dtype."""
 
@@ -482,29 +378,6 @@ class Int8Linear(torch.nn.Module):
             self.out_features,
             self.weight_int8.bias is not None,
         )
-
-
-def quantize_vision_tower(
-    visual: torch.nn.Module, prepared=None, prefix: str = "visual", channels: dict[str, list[int]] | None = None
-) -> int:
-    """Every linear layer of the vision tower to `Int8Linear`, the rest (norms, patch embedding) to
-    float32; returns how many layers were quantized. Quantizing first spares a float32 copy of them.
-    `prepared` (a weightcache.PreparedWeights): weights taken from the cache, or kept for it, by name
-    under `prefix`; `channels`: the streams' outlier channels, kept exact (vlserve/outliers.py)."""
-    count = 0
-    for parent_name, parent in list(visual.named_modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                full = ".".join(part for part in (prefix, parent_name, name) if part)
-                fmt = exact_format(Int8Weight, full, channels)
-                make = functools.partial(fmt, child.weight, child.bias)
-                shape = tuple(child.weight.shape)
-                weight = make() if prepared is None else prepared.weight(full, fmt, make, shape)
-                layer = Int8Linear(child.in_features, child.out_features, weight)
-                setattr(parent, name, layer)
-                count += 1
-    visual.to(torch.float32)
-    return count
 
 
 class PromptInt8Linear(torch.nn.Module):

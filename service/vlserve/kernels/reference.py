@@ -1,0 +1,52 @@
+"""Python references for vlserve's kernels: what each op computes, written with torch's own ops.
+
+The kernels' self-checks (native.py) compare a fresh build against them, the tests compare the
+served ops with them, and the attention falls back to `one_query_attention` where its op is not loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlserve.kernels.formats import Q8_BLOCK, quantize_blocks
+
+WIDENED_KEYS_BYTES = 16 << 20  # float32 keys widened at a time: reused heap memory, not a fresh mmap per call
+
+
+def q8_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+    """kernels/q8.cpp's product in float64: rows rounded per block, integer sums per block, each times
+    its two scales (float32, as the kernel multiplies them), summed (the kernel in float32)."""
+    q, row_scales = quantize_blocks(rows)
+    outputs, columns = values.shape
+    blocks = columns // Q8_BLOCK
+    sums = torch.einsum(
+        "rgk,ogk->rog",
+        q.double().reshape(-1, blocks, Q8_BLOCK),
+        values.double().reshape(outputs, blocks, Q8_BLOCK),
+    )
+    factors = (scales.float()[None] * row_scales[:, None]).double()  # (rows, outputs, blocks)
+    out = (sums * factors).sum(-1)
+    return out if bias is None else out + bias.double()
+
+
+def one_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scaling: float | None
+) -> torch.Tensor:
+    """One query per sequence: (B, H, 1, D) over (B, KV, T, D) -> (B, 1, H, D). `mask` as sdpa takes it:
+    None, boolean (True attends) or additive, broadcastable to (B, 1, 1, T)."""
+    batch, heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    scale = dim**-0.5 if scaling is None else scaling
+    # Query heads sharing a key/value head become rows of one product (grouped-query attention).
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).to(torch.float32, copy=True).mul_(scale)
+    chunk = max(1, WIDENED_KEYS_BYTES // (kv_heads * length * dim * 4))
+    parts = [
+        torch.matmul(grouped[start : start + chunk], key[start : start + chunk].float().transpose(-1, -2))
+        for start in range(0, batch, chunk)
+    ]
+    scores = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], 1, 1, length)
+        scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(weights, value).reshape(batch, 1, heads, dim)

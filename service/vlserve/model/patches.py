@@ -1,0 +1,36 @@
+"""The one place vlserve changes transformers' own code, at load, never undone.
+
+- The language model's attention: `attention.attention` registered in transformers'
+  AttentionInterface under attention.NAME (with sdpa's masks) and named in the text model's config;
+  the vision tower keeps its own.
+- Qwen3-VL's module-level `apply_rotary_pos_emb`, which the text attention calls by name: replaced
+  by decoderops' rotary, which hands whatever its op does not take (other layouts, dtypes, a
+  process without vlserve's kernels) back to the function it replaced (decoderops.STOCK_ROTARY).
+
+Everything else vlserve does to a model it does to that model's own instances (its linear layers,
+its norms: model/packing.py, model/decoderops.py). tests/test_architecture.py holds that no other
+module assigns to transformers' modules or registers in its interfaces.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+from vlserve.model import attention, decoderops
+
+
+def attend_through_vlserve(model: torch.nn.Module) -> None:
+    """The language model of a loaded Qwen3-VL attends through vlserve's attention."""
+    AttentionInterface.register(attention.NAME, attention.attention)
+    AttentionMaskInterface.register(attention.NAME, sdpa_mask)  # the same masks as sdpa
+    model.config.text_config._attn_implementation = attention.NAME
+
+
+def decode_through_vlserve(model: torch.nn.Module) -> None:
+    """The language model's norms (its own instances) and rotary embedding (transformers' function)
+    through vlserve's ops, where they are loaded."""
+    if decoderops.use_for(model):
+        modeling_qwen3_vl.apply_rotary_pos_emb = decoderops.rotary

@@ -1,0 +1,24 @@
+"""The names the service, the roles, the templates and the tests share, each spelled here once.
+
+It sits in the sizing package, the ground floor, because that package ships alone to hosts that
+have nothing installed (Ansible module_utils) and every other layer may import it: the settings'
+choices, the CLI's, the roles' argument specs (tests/test_ansible.py checks them against these) and
+the status lines that tests and operators read all come from here. Standard library only.
+"""
+
+from __future__ import annotations
+
+# Quantize levels, from the most memory to the least: the exact weights, llama.cpp's Q8_0 (int8),
+# 4-bit groups of 32 (int4). `auto` lets the plan choose among them.
+QUANTIZE_LEVELS = ("none", "int8", "int4")
+QUANTIZED_LEVELS = QUANTIZE_LEVELS[1:]
+AUTO = "auto"
+FLOAT_DTYPES = ("bfloat16", "float32")  # the model's dtype (and the vision tower's, the prompts')
+
+# Every setting of a worker is an environment variable with this prefix (the units' environment files).
+ENV_PREFIX = "VLSERVE_"
+
+# How /readyz, /status and the benchmarks say which kernels serve the products: vlserve's own, at an
+# ISA tier, or torch's with the reason.
+KERNELS_OWN = "vlserve's kernels for "
+KERNELS_STOCK = "stock kernels: "

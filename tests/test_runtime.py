@@ -1,0 +1,242 @@
+"""The engine's parts, each alone: prompts, the output stream, the background work, the model
+runner and the scheduler, on the tiny checkpoint's real tokenizer, processor and model."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from vlserve.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestTimeout
+from vlserve.model.loader import load_model
+from vlserve.model.processor import load_processor
+from vlserve.runtime.background import BackgroundWork
+from vlserve.runtime.caches import LRUCache
+from vlserve.runtime.images import ImageInput
+from vlserve.runtime.metrics import Metrics
+from vlserve.runtime.prompts import build_prompt, image_tokens_only, resolve_max_tokens
+from vlserve.runtime.requests import Sequence
+from vlserve.runtime.runner import ModelRunner, feature_bytes
+from vlserve.runtime.sampling import SamplingParams
+from vlserve.runtime.scheduler import Scheduler
+from vlserve.runtime.streaming import OutputStream, answer_from_cache
+from vlserve.settings import LimitSettings, ModelSettings
+
+
+class Collect:
+    def __init__(self):
+        self.text, self.reason, self.usage, self.error = "", None, None, None
+
+    def on_text(self, text):
+        self.text += text
+
+    def on_finish(self, reason, usage):
+        self.reason, self.usage = reason, usage
+
+    def on_error(self, error):
+        self.error = error
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model):
+    return load_processor(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    settings = ModelSettings(model=tiny_model, dtype="float32", quantize="none", threads=1)
+    return load_model(settings, LimitSettings(max_batch_size=2), lambda message: None)
+
+
+def picture(seed: int) -> ImageInput:
+    image = Image.effect_noise((64, 64), 40 + seed).convert("RGB")
+    return ImageInput(image, hashlib.sha256(image.tobytes()).hexdigest())
+
+
+def ask(text: str, image: ImageInput | None = None) -> list[dict]:
+    content = ([{"type": "image", "image": image}] if image else []) + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+def sequence(prompt, params, deadline_s: float = 60.0) -> Sequence:
+    now = time.monotonic()
+    return Sequence(prompt, params, Collect(), now, now + deadline_s, use_result_cache=params.greedy)
+
+
+# -- prompts ----------------------------------------------------------------------------------
+
+
+def test_a_prompt_holds_the_template_s_tokens_and_one_key_per_image(processor):
+    image = picture(0)
+    prompt = build_prompt(processor, ask("What is this?", image), max_images=1)
+    assert prompt.image_keys == [image.key] and prompt.image_grid_thw.shape == (1, 3)
+    text = processor.tokenizer.decode(prompt.input_ids)
+    assert "What is this?" in text and text.rstrip().endswith("assistant")
+    cut = image_tokens_only(prompt, processor)
+    assert cut.input_ids[0] == processor.vision_start_token_id and cut.input_ids[-1] == processor.vision_end_token_id
+    assert build_prompt(processor, ask("What is that?", image), 1).cache_key != prompt.cache_key
+
+
+def test_a_prompt_refuses_more_images_than_allowed_and_a_budget_past_the_context(processor):
+    with pytest.raises(InvalidRequest, match="2 images in one request; the limit is 1"):
+        build_prompt(processor, ask("?", picture(0)) + ask("?", picture(1)), max_images=1)
+    prompt = build_prompt(processor, ask("word " * 300), max_images=1)
+    limits = LimitSettings(max_context_tokens=prompt.tokens + 4, max_tokens_default=64)
+    assert resolve_max_tokens(prompt, None, limits) == 4  # the default, cut to the room left
+    assert resolve_max_tokens(prompt, 3, limits) == 3
+    with pytest.raises(ContextLengthExceeded, match="max_tokens 5 plus"):
+        resolve_max_tokens(prompt, 5, limits)
+
+
+# -- the output stream -----------------------------------------------------------------------
+
+
+def test_the_stream_cuts_at_a_stop_string_and_never_sends_its_start(processor):
+    tokenizer = processor.tokenizer
+    prompt = build_prompt(processor, ask("Hello"), max_images=1)
+    stream = OutputStream(tokenizer, set(), LimitSettings(), Metrics(), LRUCache(4))
+    seq = sequence(prompt, SamplingParams(max_tokens=50, stop=("END",)))
+    sent = []
+    seq.sink.on_text = sent.append
+    tokens = tokenizer.encode("one two END three", add_special_tokens=False)
+    going = [stream.emit(seq, token) for token in tokens]
+    assert going.index(False) < len(tokens) - 1 and seq.done  # finished at the stop string
+    assert "".join(sent) == "one two " and seq.sink.reason == "stop"
+    assert not any("E" in piece for piece in sent)  # the stop string's start was held back, then dropped
+
+
+def test_the_stream_finishes_at_max_tokens_and_the_result_cache_answers_again(processor):
+    tokenizer = processor.tokenizer
+    prompt = build_prompt(processor, ask("Hello"), max_images=1)
+    cache, metrics = LRUCache(4), Metrics()
+    stream = OutputStream(tokenizer, set(), LimitSettings(), metrics, cache)
+    seq = sequence(prompt, SamplingParams(max_tokens=3))
+    for token in tokenizer.encode("a b c d e", add_special_tokens=False)[:3]:
+        stream.emit(seq, token)
+    assert seq.sink.reason == "length" and seq.sink.usage.completion_tokens == 3
+    again = sequence(prompt, SamplingParams(max_tokens=3))
+    assert answer_from_cache(again, cache, metrics)
+    assert again.sink.text == seq.sink.text and again.sink.usage.answer_from_cache
+    other = sequence(prompt, SamplingParams(max_tokens=4))  # another budget: another answer
+    assert not answer_from_cache(other, cache, metrics) and not other.done
+
+
+# -- the background work ---------------------------------------------------------------------
+
+
+class Copy:
+    def __init__(self, log, name, fail=False):
+        self.log, self.name, self.fail = log, name, fail
+
+    def make_prefill_copy(self):
+        if self.fail:
+            raise RuntimeError("out of memory")
+        self.log.append(self.name)
+
+    def drop_prefill_source(self):
+        self.log.append("dropped " + self.name)
+
+
+def test_background_work_runs_layouts_then_copies_then_the_map_one_step_at_a_time():
+    log = []
+    work = BackgroundWork(
+        [lambda: log.append("layout 1"), lambda: log.append("layout 2")],
+        [Copy(log, "copy 1"), Copy(log, "copy 2")],
+        [lambda: log.append("map 1")],
+        "float32",
+    )
+    counts = []
+    while work.pending:
+        counts.append(work.pending)
+        work.step()
+    assert counts == [5, 4, 3, 2, 1]
+    assert log == ["layout 2", "layout 1", "copy 2", "copy 1", "map 1"]
+
+
+def test_background_work_that_runs_out_of_memory_gives_up_its_kind_only():
+    log = []
+    work = BackgroundWork([], [Copy(log, "copy 1"), Copy(log, "copy 2", fail=True)], [lambda: log.append("map")], None)
+    work.step()  # the failing copy: every copy is given up, their sources dropped
+    assert log == ["dropped copy 1", "dropped copy 2"] and work.pending == 1
+    work.step()
+    assert log[-1] == "map" and work.pending == 0
+
+
+# -- the model runner ------------------------------------------------------------------------
+
+
+def test_the_runner_prefills_a_group_as_the_model_alone_would_and_caches_images(loaded):
+    metrics, cache = Metrics(), LRUCache(1 << 30, cost=feature_bytes)
+    runner = ModelRunner(loaded.model, "float32", loaded.pad_id, cache, metrics)
+    image = picture(3)
+    prompts = [
+        build_prompt(loaded.processor, ask("Describe it.", image), 1),
+        build_prompt(loaded.processor, ask("A much longer question, with more words in it?"), 1),
+    ]
+    with torch.inference_mode():
+        batch, tokens = runner.prefill([sequence(p, SamplingParams(max_tokens=4)) for p in prompts])
+        assert batch.size == 2
+        for row, prompt in enumerate(prompts):  # each prompt alone, no padding: the same first token
+            _, first = runner.prefill([sequence(prompt, SamplingParams(max_tokens=4))])
+            assert int(first[0]) == int(tokens[row])
+        again = sequence(prompts[0], SamplingParams(max_tokens=4))
+        runner.prefill([again])
+        assert again.images_from_cache == 1 and len(cache) == 1
+        step = runner.decode(batch, [SamplingParams(max_tokens=4)] * 2)
+    assert step.shape == (2,) and batch.size == 2
+
+
+# -- the scheduler ---------------------------------------------------------------------------
+
+
+def scheduler_for(loaded, **limits) -> Scheduler:
+    limits = LimitSettings(**limits)
+    metrics = Metrics()
+    scheduler = Scheduler(limits, metrics)
+    runner = ModelRunner(loaded.model, "float32", loaded.pad_id, LRUCache(1 << 30, cost=feature_bytes), metrics)
+    scheduler.attach(runner, OutputStream(loaded.processor.tokenizer, loaded.eos_ids, limits, metrics, LRUCache(4)))
+    return scheduler
+
+
+def run_until_idle(scheduler: Scheduler, passes: int = 200) -> None:
+    with torch.inference_mode():
+        for _ in range(passes):
+            if not scheduler.queue and not scheduler.running:
+                return
+            scheduler.run_pass(wait=False)
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_the_scheduler_batches_within_its_slots_and_finishes_every_request(loaded):
+    scheduler = scheduler_for(loaded, max_batch_size=2, max_queue=4)
+    prompt = build_prompt(loaded.processor, ask("Hi"), 1)
+    seqs = [sequence(prompt, SamplingParams(max_tokens=3, ignore_eos=True)) for _ in range(3)]
+    for seq in seqs:
+        scheduler.enqueue(seq)
+    with torch.inference_mode():
+        scheduler.run_pass(wait=False)
+    assert len(scheduler.running) == 2 and len(scheduler.queue) == 1  # two slots: the third waits
+    run_until_idle(scheduler)
+    assert [s.sink.reason for s in seqs] == ["length"] * 3
+    assert len({s.sink.text for s in seqs}) == 1  # greedy: the same answer whatever its batch
+
+
+def test_the_scheduler_refuses_past_its_queue_drops_the_cancelled_and_times_out_the_late(loaded):
+    scheduler = scheduler_for(loaded, max_batch_size=1, max_queue=1)
+    prompt = build_prompt(loaded.processor, ask("Hi"), 1)
+    cancelled = sequence(prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    late = sequence(prompt, SamplingParams(max_tokens=50, ignore_eos=True), deadline_s=-1)
+    scheduler.enqueue(cancelled)
+    scheduler.enqueue(late)  # one waits, one more fits the free slot
+    with pytest.raises(Overloaded):
+        scheduler.enqueue(sequence(prompt, SamplingParams(max_tokens=2)))
+    with torch.inference_mode():
+        scheduler.run_pass(wait=False)  # the cancelled one runs, the late one waits past its deadline
+    cancelled.cancel()
+    run_until_idle(scheduler)
+    assert cancelled.done and cancelled.sink.reason is None and cancelled.sink.error is None
+    assert isinstance(late.sink.error, RequestTimeout)
+    assert scheduler.metrics.cancelled._value.get() == 1
