@@ -69,7 +69,7 @@ def test_the_batch_is_widened_in_chunks_with_the_same_result(monkeypatch):
 
 
 def test_float32_and_prompts_keep_sdpa(monkeypatch):
-    monkeypatch.setattr(native, "_state", native._State())  # the Python path, whatever this process loaded
+    monkeypatch.setattr(native, "_outcome", None)  # the Python path, whatever this process loaded
     calls = []
     monkeypatch.setattr(attention, "one_query_attention", lambda *args, **kwargs: calls.append(args))
     module = torch.nn.Module()
@@ -85,7 +85,7 @@ def test_float32_and_prompts_keep_sdpa(monkeypatch):
 
 def test_a_loaded_model_decodes_through_it_as_it_would_through_sdpa(tiny_model, monkeypatch):
     # The Python path: where vlserve's kernels load, decode steps attend through their op (test_native).
-    monkeypatch.setattr(native, "_state", native._State())
+    monkeypatch.setattr(native, "_outcome", None)
     loaded = load_model(
         ModelSettings(model=tiny_model, dtype="bfloat16", prefill_dtype="bfloat16", native_kernels="off"),
         LimitSettings(max_batch_size=2),

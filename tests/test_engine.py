@@ -51,7 +51,7 @@ class Collect:
 def stock_kernels(monkeypatch):
     """A process whose workers run torch's kernels only (`native_kernels: off`, or no compiler): where
     vlserve's bfloat16 product loads, the exact level leaves the packed layout for it (test_native)."""
-    monkeypatch.setattr(native, "_state", native._State())
+    monkeypatch.setattr(native, "_outcome", None)
     return "off"
 
 
@@ -417,7 +417,7 @@ def test_without_x86_kernels_the_engine_falls_back_and_answers(tmp_path, monkeyp
     """On a CPU without oneDNN's bf16 and int8 kernels (an Arm server), what asks for them loads the
     plain path instead of crashing: the capability checks answer as such a CPU would."""
     monkeypatch.setattr(vlserve.model.loader, "packing_supported", lambda dtype: False)
-    monkeypatch.setattr(vlserve.model.loader, "int8_products_supported", lambda: False)
+    monkeypatch.setattr(vlserve.model.loader, "int8_products_supported", lambda kernels: False)
     directory = tmp_path / "tiny"
     assert run_tool("vlserve", "make-test-model", str(directory), "--dtype", "bfloat16").returncode == 0
     engine = Engine(

@@ -6,6 +6,7 @@ from the CPU the tests were written on."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -39,8 +40,8 @@ needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="the bfloat16 kernel needs 
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    """`native.enable` as a new process sees it (it keeps its first outcome for the process)."""
-    monkeypatch.setattr(native, "_state", native._State())
+    """`native.load` as a new process sees it (it keeps its first outcome for the process)."""
+    monkeypatch.setattr(native, "_outcome", None)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +58,10 @@ def loaded(fresh_state):
     """The kernels loaded as a worker loads them."""
     if TIER is None:
         pytest.skip("the kernels cannot run here: %s" % TIER_WHY)
-    status = native.enable(pathlib.Path(NATIVE_KERNELS))
-    assert status.startswith("vlserve's kernels for %s (" % native.TIER_NAMES[TIER]), status
-    assert native.tier() == TIER
+    kernels = native.load(pathlib.Path(NATIVE_KERNELS))
+    assert kernels.status.startswith("vlserve's kernels for %s (" % native.TIER_NAMES[TIER]), kernels.status
+    assert kernels.tier == TIER
+    return kernels
 
 
 @pytest.mark.parametrize("tier", CPU_TIERS or ["none"])
@@ -124,10 +126,11 @@ def test_the_int8_product_refuses_what_it_cannot_multiply(ops):
 def test_an_int8_weight_multiplies_every_row_count_through_the_kernel(loaded, monkeypatch):
     """Decode steps and prompts alike: the tiles are the only copy of the weight (no oneDNN reorder)."""
     calls = []
-    kernel = native.q8_linear()
-    monkeypatch.setattr(native, "q8_linear", lambda: lambda *args: calls.append(args[0].shape) or kernel(*args))
+    kernel = loaded.q8_linear()
+    counting = dataclasses.replace(loaded)
+    object.__setattr__(counting, "q8_linear", lambda: lambda *args: calls.append(args[0].shape) or kernel(*args))
     torch.manual_seed(3)
-    weight = Int8Weight(torch.randn(32, 128), torch.randn(32))
+    weight = Int8Weight.on(counting)(torch.randn(32, 128), torch.randn(32))
     assert weight.tiles is not None and weight.values is None
     for rows in (1, 4, 5, 40):
         weight.matmul(torch.randn(rows, 128))
@@ -190,7 +193,7 @@ def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(
     from vlserve.model.packing import NativeBf16Weight, PackedBf16Weight  # noqa: PLC0415
 
     def load(kernels: str):
-        monkeypatch.setattr(native, "_state", native._State())
+        monkeypatch.setattr(native, "_outcome", None)
         choices = {"quantize": "none", "dtype": "bfloat16", "packed_weights": True, "warmup": False}
         settings = ModelSettings(model=tiny_model, native_kernels=kernels, **choices)
         return load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
@@ -249,15 +252,16 @@ def test_a_failed_build_leaves_the_stock_kernels_with_its_reason(tmp_path, monke
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(native, "SOURCES", (*native.SOURCES, broken))
+    kernels = native.STOCK_KERNELS
     if TIER is not None:
-        status = native.enable(tmp_path / "kernels")
-        assert status.startswith("stock kernels: the build with") and "failed" in status
-        assert "\n" not in status
+        kernels = native.load(tmp_path / "kernels")
+        assert kernels.status.startswith("stock kernels: the build with") and "failed" in kernels.status
+        assert "\n" not in kernels.status
     with pytest.raises(native.NativeUnavailable, match="failed"):
         native.build(tmp_path / "kernels")
-    assert native.q8_linear() is None and native.int8_layout() == "rows"
+    assert kernels.q8_linear() is None and kernels.int8_layout() == "rows"
     assert not list((tmp_path / "kernels").glob("*.so*"))  # no partial file either
-    weight = Int8Weight(torch.randn(16, 64))  # and torch's weight-only product still multiplies
+    weight = Int8Weight.on(kernels)(torch.randn(16, 64))  # and torch's weight-only product still multiplies
     assert weight.tiles is None and weight.matmul(torch.randn(1, 64)).shape == (1, 16)
 
 
@@ -267,12 +271,13 @@ def test_without_a_compiler_the_reason_says_what_to_install(tmp_path, monkeypatc
     with pytest.raises(native.NativeUnavailable, match=re.escape("no C++ compiler (install g++")):
         native.build(tmp_path)
     if TIER is not None:
-        assert native.enable(tmp_path) == "stock kernels: no C++ compiler (install g++, or set CXX)"
+        assert native.load(tmp_path).status == "stock kernels: no C++ compiler (install g++, or set CXX)"
 
 
 def test_switched_off_it_is_not_built(tmp_path, fresh_state):
-    assert native.enable(None) == "stock kernels: switched off (native_kernels: off)"
-    assert native.q8_linear() is None and native.tier() is None
+    kernels = native.load(None)
+    assert kernels.status == "stock kernels: switched off (native_kernels: off)"
+    assert kernels.q8_linear() is None and kernels.tier is None
 
 
 @pytest.mark.skipif("avx2" not in CPU_TIERS, reason="this CPU cannot run the AVX2 tier")
@@ -284,8 +289,9 @@ def test_torch_held_to_avx2_loads_the_avx2_tier(tmp_path):
         """
         import pathlib, sys
         from vlserve.kernels import native
-        print(native.enable(pathlib.Path(sys.argv[1])))
-        print(native.tier(), native.int4_linear() is None, native.one_query_attention() is None)
+        kernels = native.load(pathlib.Path(sys.argv[1]))
+        print(kernels.status)
+        print(kernels.tier, kernels.int4_linear() is None, kernels.one_query_attention() is None)
         """
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
@@ -334,11 +340,12 @@ def test_the_int4_kernel_refuses_a_layout_it_does_not_know(ops):
 def test_an_int4_weight_takes_the_kernels_layout_and_keeps_it_through_the_cache(loaded):
     torch.manual_seed(11)
     weight, bias = torch.randn(128, 4 * INT4_GROUP), torch.randn(128)
-    layer = Int4Weight(weight, bias)
-    tiled = native.int4_layout() == "blocks"  # the AVX-512 VNNI tier's layout; torch's int4pack elsewhere
+    on_loaded = Int4Weight.on(loaded)
+    layer = on_loaded(weight, bias)
+    tiled = loaded.int4_layout() == "blocks"  # the AVX-512 VNNI tier's layout; torch's int4pack elsewhere
     assert layer.tiled == tiled and ("blocks" in layer.tensors()) == tiled and "bias" in layer.tensors()
-    assert not Int4Weight(torch.randn(48, 4 * INT4_GROUP)).tiled  # outputs not a multiple of 64: torch's layout
-    again = Int4Weight.from_tensors(layer.tensors())
+    assert not on_loaded(torch.randn(48, 4 * INT4_GROUP)).tiled  # outputs not a multiple of 64: torch's layout
+    again = on_loaded.from_tensors(layer.tensors())
     assert (again.tiled, again.shape, again.group) == (tiled, layer.shape, layer.group)
     rows = torch.randn(3, 4 * INT4_GROUP)
     assert torch.equal(again.matmul(rows), layer.matmul(rows))
@@ -356,15 +363,13 @@ def test_int4_cache_files_are_kept_per_layout(loaded, tmp_path):
     checkpoint = tmp_path / "model"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text("{}")
-    loaded_layouts = native.int8_layout(), native.int4_layout()  # q8tiles on every tier; blocks on AVX-512 VNNI
-    tiled = WeightCache(tmp_path / "cache", checkpoint, "int4")
+    loaded_layouts = loaded.int8_layout(), loaded.int4_layout()  # q8tiles on every tier; blocks on AVX-512 VNNI
+    tiled = WeightCache(tmp_path / "cache", checkpoint, "int4", loaded)
     assert tiled.key["int4_layout"] == loaded_layouts[1]
     assert tiled.path.name.endswith("-int4-%s-%s.safetensors" % loaded_layouts)
-    native._state = native._State()  # restored by fresh_state
-    native.enable(None)
-    stock = WeightCache(tmp_path / "cache", checkpoint, "int4")
+    stock = WeightCache(tmp_path / "cache", checkpoint, "int4", native.STOCK_KERNELS)
     assert stock.key["int4_layout"] == "int4pack" and stock.path.name.endswith("-int4-rows-int4pack.safetensors")
-    assert "int4_layout" not in WeightCache(tmp_path / "cache", checkpoint, "int8").key
+    assert "int4_layout" not in WeightCache(tmp_path / "cache", checkpoint, "int8", loaded).key
 
 
 def test_a_worker_at_int4_maps_the_file_of_the_layout_its_kernels_take(tiny_model, tmp_path, fresh_state):
@@ -392,7 +397,7 @@ def test_a_worker_at_int4_maps_the_file_of_the_layout_its_kernels_take(tiny_mode
     assert tiled == {True} and [path.name.rsplit("-", 3)[1:] for path in tmp_path.glob("*.safetensors")] == [
         ["int4", "q8tiles", "blocks.safetensors"]
     ]
-    native._state = native._State()  # a new process, with the kernels switched off
+    native._outcome = None  # a new process, with the kernels switched off (restored by fresh_state)
     plain, stock = load("off")
     assert plain == {False} and len(list(tmp_path.glob("*-int4-rows-int4pack.safetensors"))) == 1
     # The same int4 levels; the kernel rounds inputs per block of 32 where torch's takes bfloat16, and the
@@ -521,15 +526,16 @@ def test_the_attention_op_refuses_what_it_does_not_take(ops):
 
 
 @needs_avx512
-def test_a_decode_step_attends_through_the_op_where_it_is_loaded(loaded, monkeypatch):
+def test_a_decode_step_attends_through_the_op_where_it_is_loaded(loaded):
     calls = []
-    op = native.one_query_attention()
-    monkeypatch.setattr(native, "one_query_attention", lambda: lambda *args: calls.append(args) or op(*args))
+    op = loaded.one_query_attention()
+    counting = dataclasses.replace(loaded)
+    object.__setattr__(counting, "one_query_attention", lambda: lambda *args: calls.append(args) or op(*args))
     query = torch.randn(1, 1, 16, 128).bfloat16().transpose(1, 2)
     key = value = torch.randn(1, 8, 7, 128).bfloat16()
     layer = torch.nn.Module()
     layer.num_key_value_groups, layer.is_causal = 2, True
-    out, _ = attention.attention(layer, query, key, value, None, scaling=None)
+    out, _ = attention.attention(layer, query, key, value, None, kernels=counting, scaling=None)
     assert len(calls) == 1 and calls[0][4] == 128**-0.5 and out.shape == (1, 1, 16, 128)
-    attention.attention(layer, query.float(), key.float(), value.float(), None)  # float32 models: sdpa
+    attention.attention(layer, query.float(), key.float(), value.float(), None, kernels=counting)  # float32: sdpa
     assert len(calls) == 1

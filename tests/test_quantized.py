@@ -77,28 +77,37 @@ def test_the_tiles_hold_every_output_s_values_and_scales(outputs):
 @pytest.fixture(autouse=True)
 def stock_kernels(monkeypatch):
     """No kernels loaded unless a test asks for them: each test sees a process that has not loaded them."""
-    monkeypatch.setattr(native, "_state", native._State())
+    monkeypatch.setattr(native, "_outcome", None)
 
 
 TIER, TIER_WHY = native.cpu_tier()
+
+
+class Backend(str):
+    """The name of an int8 backend ("kernels", "weight-only"), carrying the kernels it runs on."""
+
+    kernels: native.Kernels
 
 
 @pytest.fixture(params=["kernels", "weight-only"])
 def int8_backend(request):
     """Both int8 products: vlserve's kernels at this CPU's tier (Q8_0, inputs rounded per block), and
     torch's weight-only product where they cannot load (one scale per row, exact inputs)."""
+    backend = Backend(request.param)
+    backend.kernels = native.STOCK_KERNELS
     if request.param == "kernels":
         if TIER is None:
             pytest.skip("vlserve's kernels cannot run here: %s" % TIER_WHY)
-        assert native.enable(pathlib.Path(NATIVE_KERNELS)).startswith("vlserve's kernels for")
-        assert native.int8_layout() == "q8tiles"
-    return request.param
+        backend.kernels = native.load(pathlib.Path(NATIVE_KERNELS))
+        assert backend.kernels.status.startswith("vlserve's kernels for")
+        assert backend.kernels.int8_layout() == "q8tiles"
+    return backend
 
 
 def test_the_int8_product_is_its_reference(int8_backend):
     torch.manual_seed(1)
     weight, bias, rows = torch.randn(48, 96), torch.randn(48), torch.randn(20, 96) * 3
-    layer = Int8Weight(weight, bias)
+    layer = Int8Weight.on(int8_backend.kernels)(weight, bias)
     assert (layer.tiles is not None) == (int8_backend == "kernels")
     if int8_backend == "kernels":  # Q8_0 weights, inputs rounded per block, integer sums exact
         values, scales = quantize_blocks(weight, torch.float16)
@@ -119,8 +128,8 @@ def test_an_int8_weight_from_its_tensors_is_the_same_weight(int8_backend):
     """The weight cache maps `tensors()` back (`from_tensors`): the same products, not a copy."""
     torch.manual_seed(2)
     weight, bias = torch.randn(40, 96), torch.randn(40)
-    layer = Int8Weight(weight, bias)
-    mapped = Int8Weight.from_tensors(layer.tensors())
+    layer = Int8Weight.on(int8_backend.kernels)(weight, bias)
+    mapped = Int8Weight.on(int8_backend.kernels).from_tensors(layer.tensors())
     assert mapped.shape == layer.shape == (40, 96)
     for rows in (torch.randn(1, 96), torch.randn(20, 96).bfloat16()):
         assert torch.equal(mapped.matmul(rows), layer.matmul(rows))
@@ -140,10 +149,13 @@ def test_an_int4_weight_from_its_tensors_is_the_same_weight():
 def test_a_big_weight_is_quantized_in_chunks_with_the_same_result(monkeypatch, int8_backend):
     torch.manual_seed(4)
     weight = torch.randn(304, 64)
-    whole = Int8Weight(weight).dequantized(), Int4Weight(weight).dequantized()
+    whole = (
+        Int8Weight.on(int8_backend.kernels)(weight).dequantized(),
+        Int4Weight.on(int8_backend.kernels)(weight).dequantized(),
+    )
     monkeypatch.setattr(quantized, "QUANTIZE_CHUNK_ROWS", 16 if int8_backend == "kernels" else 7)
-    assert torch.equal(Int8Weight(weight).dequantized(), whole[0])
-    assert torch.equal(Int4Weight(weight).dequantized(), whole[1])
+    assert torch.equal(Int8Weight.on(int8_backend.kernels)(weight).dequantized(), whole[0])
+    assert torch.equal(Int4Weight.on(int8_backend.kernels)(weight).dequantized(), whole[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -177,7 +189,7 @@ def test_int4_refuses_a_shape_its_layout_cannot_hold(shape):
 
 def test_int8_linear_keeps_shape_and_dtype(int8_backend):
     linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    out = Int8Linear.from_linear(linear)(torch.randn(2, 7, 64).to(torch.bfloat16))
+    out = Int8Linear.from_linear(linear, int8_backend.kernels)(torch.randn(2, 7, 64).to(torch.bfloat16))
     assert out.shape == (2, 7, 32) and out.dtype == torch.bfloat16
 
 
@@ -196,7 +208,7 @@ def test_the_vision_tower_in_int8_stays_close_to_float32(tiny_bf16, int8_backend
     with torch.inference_mode():
         reference = model.model.get_image_features(pixels, grid).pooler_output[0]
         linears = sum(isinstance(m, torch.nn.Linear) for m in model.model.visual.modules())
-        assert quantize_vision_tower(model.model.visual) == linears > 0
+        assert quantize_vision_tower(model.model.visual, kernels=int8_backend.kernels) == linears > 0
         assert not any(isinstance(m, torch.nn.Linear) for m in model.model.visual.modules())
         assert all(p.dtype == torch.float32 for p in model.model.visual.parameters())
         quantized = model.model.get_image_features(pixels, grid).pooler_output[0]
@@ -221,7 +233,7 @@ def test_prompt_sized_products_run_on_the_int8_copy():
 def test_a_float32_layer_runs_prompts_on_its_int8_copy_once_made():
     torch.manual_seed(3)
     plain = torch.nn.Linear(64, 48)
-    layer = PromptInt8Linear(plain)
+    layer = PromptInt8Linear(plain, native.STOCK_KERNELS)
     prompt, step = torch.randn(INT8_PREFILL_ROWS, 64), torch.randn(INT8_PREFILL_ROWS - 1, 64)
     assert layer.prefill_copy_pending and torch.equal(layer(prompt), plain(prompt))
     layer.make_prefill_copy()

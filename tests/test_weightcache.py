@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import run_tool
-from vlserve.kernels import quantized
+from vlserve.kernels import native, quantized
 from vlserve.model import packing, weightcache
 from vlserve.model.loader import load_model
 from vlserve.model.weightcache import KEY_FIELD, WeightCache
@@ -169,7 +169,7 @@ def test_a_cache_that_cannot_be_written_costs_only_the_rounding(checkpoint, tmp_
 
 
 def test_the_key_names_what_the_tensors_depend_on(checkpoint):
-    key = WeightCache(checkpoint.parent, checkpoint, "int4").key
+    key = WeightCache(checkpoint.parent, checkpoint, "int4", native.STOCK_KERNELS).key
     assert key["level"] == "int4" and key["torch"] == torch.__version__
     assert key["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     names = {entry["name"] for entry in key["model"]}
@@ -180,7 +180,7 @@ def test_the_key_names_what_the_tensors_depend_on(checkpoint):
 def test_settle_leaves_nothing_for_after_ready(checkpoint, tmp_path):
     """What benchmarks time: kernel layouts made, prompt copies made, nothing left in the checkpoint's map."""
     loaded = load(checkpoint, tmp_path / "cache", "int4")  # int8 prompt copies where int8 products run
-    assert bool(loaded.prefill_copies) == quantized.int8_products_supported() and loaded.map_copies
+    assert bool(loaded.prefill_copies) == quantized.int8_products_supported(loaded.kernels) and loaded.map_copies
     loaded.settle()
     assert (loaded.layout_steps, loaded.prefill_copies, loaded.map_copies) == ([], [], [])
     assert packing.layout_steps(loaded.model) == [] and packing.pending_prefill_copies(loaded.model) == []
@@ -209,8 +209,8 @@ def test_tensors_are_written_at_aligned_offsets_and_read_back_by_safetensors(tmp
 
 
 def test_cached_weights_are_mapped_at_aligned_addresses(checkpoint, tmp_path):
-    load(checkpoint, tmp_path, "int4")
-    prepared = WeightCache(tmp_path, checkpoint, "int4").open()
+    loaded = load(checkpoint, tmp_path, "int4")
+    prepared = WeightCache(tmp_path, checkpoint, "int4", loaded.kernels).open()
     assert prepared.found
     for layer in prepared.found.values():
         for tensor in layer.values():

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from vlserve.kernels import native
 from vlserve.model.loader import load_model
 from vlserve.runtime.kvcache import new_cache
 from vlserve.settings import LimitSettings, ModelSettings
@@ -117,7 +116,7 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
         "step_s": statistics.median(steps),
         "decode_bytes_per_token": decode_weight_bytes(loaded.model),
         "rss_anon_bytes": _rss_anon_bytes(),
-        "kernels": native.status(),
+        "kernels": loaded.kernels.status,
     }
 
 

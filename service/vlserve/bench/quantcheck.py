@@ -97,10 +97,10 @@ def _answer_log_probs(model: Any, inputs: dict[str, torch.Tensor], answer: torch
 
 def ran_on(loaded) -> dict[str, str]:
     """Which ISA and kernels a level ran on, as quant-check reports it."""
-    tier = native.tier()
+    tier = loaded.kernels.tier
     return {
         "isa": native.TIER_NAMES.get(tier, "none") if tier else "torch at %s" % torch.backends.cpu.get_cpu_capability(),
-        "kernels": native.status(),
+        "kernels": loaded.kernels.status,
         "vision_dtype": loaded.choices.vision_dtype,
         "prefill_dtype": loaded.choices.prefill_dtype,
     }

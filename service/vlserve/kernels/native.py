@@ -43,7 +43,9 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -200,7 +202,7 @@ def build(root: Path) -> tuple[Path, bool]:
     return path, True
 
 
-def _check(ops, tier: str) -> None:
+def _check(ops, tier: str, bf16: bool) -> None:
     """The loaded kernels of `tier` against references on a few shapes: a miscompiled build is not used.
     int8: the exact sum of the same rounded quantities (float64), within float32's accumulation error.
     int4: the same rounded quantities summed in float64."""
@@ -222,7 +224,7 @@ def _check(ops, tier: str) -> None:
                 )
     if tier == "avx512_vnni":
         _check_int4(ops, generator)
-    if _state.bf16:
+    if bf16:
         _check_bf16(ops, generator)
     _check_decoder_ops(ops, generator, attention_op=tier == "avx512_vnni")
 
@@ -293,121 +295,109 @@ def _check_decoder_ops(ops, generator: torch.Generator, attention_op: bool) -> N
         )
 
 
-class _State:
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.ops = None
-        self.tier: str | None = None  # the ISA tier whose ops are loaded
-        self.bf16 = False  # the CPU runs bf16_linear (AVX-512 BF16)
-        self.status: str | None = None  # None: not asked for (quantize=none on a CPU without AVX-512 BF16)
-
-
-_state = _State()
 # What each tier's library serves, as /readyz and /status say it.
 TIER_OPS = {
     "avx512_vnni": "int8/int4 products, norm, rotary, attention",
     "avx2": "int8 products, norm, rotary",
 }
-
-
-def enable(root: Path | None) -> str:
-    """Build (when missing) and load the kernels from `root` (None: off); returns the status line that
-    is also logged and shown on /status. Later calls return the first call's outcome."""
-    with _state.lock:
-        if _state.status is not None:
-            return _state.status
-        try:
-            if root is None:
-                raise NativeUnavailable("switched off (native_kernels: off)")
-            tier, why = cpu_tier()
-            if tier is None:
-                raise NativeUnavailable(why)
-            path, built = build(root)
-            torch.ops.load_library(str(path))
-            ops = torch.ops.vlserve
-            _state.bf16 = tier == "avx512_vnni" and BF16_FLAG in (_cpu_flags() or [])
-            _check(ops, tier)
-        except NativeUnavailable as error:
-            _state.bf16 = False
-            _state.status = KERNELS_STOCK + str(error)
-            log.info("native kernels: %s", _state.status)
-        except (OSError, RuntimeError) as error:  # load_library's and the op's errors
-            _state.bf16 = False
-            _state.status = KERNELS_STOCK + "the built kernels do not load (%s)" % str(error).splitlines()[0]
-            log.warning("native kernels: %s", _state.status)
-        else:
-            _state.ops, _state.tier = ops, tier
-            _state.status = KERNELS_OWN + "%s (%s%s) %s %s" % (
-                TIER_NAMES[tier],
-                "bf16/" if _state.bf16 else "",
-                TIER_OPS[tier],
-                "built into" if built else "loaded from",
-                path,
-            )
-            log.info("native kernels: %s", _state.status)
-        return _state.status
-
-
 # /readyz's line where no level asked for the kernels (the exact level on a CPU without AVX-512 BF16)
 STOCK = "torch's kernels (vlserve's own serve the int8 and int4 levels, and bfloat16 on AVX-512 BF16)"
 
 
-def status() -> str:
-    """What serves the products in this process, as /readyz and /status show it."""
-    return _state.status or STOCK
+@dataclass(frozen=True, eq=False)  # one object per outcome: bound formats are cached by identity
+class Kernels:
+    """What serves the products in a process: vlserve's library at one ISA tier (`ops`), or torch's
+    (`ops` None). Made by `load`, handed by the loader to every layer, format and op that uses it."""
+
+    ops: Any = None
+    tier: str | None = None  # the ISA tier whose ops are loaded
+    bf16: bool = False  # the CPU runs bf16_linear (AVX-512 BF16)
+    status: str = STOCK  # as /readyz and /status show it
+
+    def q8_linear(self):
+        """The int8 op for this tier, or None: (rows, in) float32 or bfloat16 x tiles (formats.q8_tiles),
+        bias or None, outputs -> (rows, outputs) in the rows' dtype; `in` a multiple of Q8_BLOCK."""
+        if self.ops is None:
+            return None
+        op, isa = self.ops.q8_linear, self.tier
+        return lambda x, tiles, bias, outputs: op(x, tiles, bias, outputs, isa)
+
+    def bf16_linear(self):
+        """The bfloat16 op where the CPU runs it, or None: (rows <= MAX_ROWS, in) bfloat16 x (out, in)
+        bfloat16, bias or None -> (rows, out) bfloat16; `in` a multiple of BF16_INPUT_MULTIPLE."""
+        return None if self.ops is None or not self.bf16 else self.ops.bf16_linear
+
+    def int4_linear(self):
+        """The int4 op (avx512_vnni tier), or None: (rows, in) float32 or bfloat16 x blocks
+        (formats.int4_blocks) -> (rows, out) in the rows' dtype."""
+        return None if self.tier != "avx512_vnni" else self.ops.int4_linear
+
+    def rms_norm(self):
+        """The norm op, or None: (..., d) float32 or bfloat16 rows, (d,) weight of their dtype, eps ->
+        transformers' Qwen3VLTextRMSNorm of them (vlserve.model.decoderops)."""
+        return None if self.ops is None else self.ops.rms_norm
+
+    def rotary(self):
+        """The rotary op, or None: q, k (batch, heads, tokens, dim) and cos, sin (batch, tokens, dim)
+        of one dtype -> transformers' apply_rotary_pos_emb of them (vlserve.model.decoderops)."""
+        return None if self.ops is None else self.ops.rotary
+
+    def one_query_attention(self):
+        """The attention op (avx512_vnni tier), or None: q (batch, heads, 1, dim), key and value
+        (batch, kv_heads, tokens, dim) with a contiguous last dimension, mask or None, scale ->
+        (batch, 1, heads, dim) as kernels/reference.py's one_query_attention computes it."""
+        return None if self.tier != "avx512_vnni" else self.ops.one_query_attention
+
+    def int8_layout(self) -> str:
+        """Which layout int8 weights take (the weight cache keeps each in its own file)."""
+        return "q8tiles" if self.q8_linear() is not None else "rows"
+
+    def int4_layout(self) -> str:
+        """Which layout int4 weights take (the weight cache keeps each in its own file)."""
+        return "blocks" if self.int4_linear() is not None else "int4pack"
 
 
-def tier() -> str | None:
-    """The ISA tier whose kernels are loaded in this process, or None."""
-    return _state.tier
+STOCK_KERNELS = Kernels()  # torch's alone: a process that never asked for vlserve's
+_lock = threading.Lock()
+_outcome: Kernels | None = None  # the process's one outcome: its library is loaded once, for good
 
 
-def q8_linear():
-    """The loaded int8 op for this CPU's tier, or None: (rows, in) float32 or bfloat16 x tiles
-    (formats.q8_tiles), bias or None, outputs -> (rows, outputs) in the rows' dtype; `in` a multiple
-    of Q8_BLOCK."""
-    if _state.ops is None:
-        return None
-    op, isa = _state.ops.q8_linear, _state.tier
-    return lambda x, tiles, bias, outputs: op(x, tiles, bias, outputs, isa)
+def load(root: Path | None) -> Kernels:
+    """Build (when missing), load and check the kernels from `root` (None: off); the status line is
+    also logged. The library is process-wide, so later calls return the first call's outcome."""
+    global _outcome  # noqa: PLW0603 - the record of what this process loaded, set once
+    with _lock:
+        if _outcome is None:
+            _outcome = _load(root)
+        return _outcome
 
 
-def bf16_linear():
-    """The loaded bfloat16 op where the CPU runs it, or None: (rows <= MAX_ROWS, in) bfloat16 x (out, in)
-    bfloat16, bias or None -> (rows, out) bfloat16; `in` a multiple of BF16_INPUT_MULTIPLE."""
-    return None if _state.ops is None or not _state.bf16 else _state.ops.bf16_linear
-
-
-def int4_linear():
-    """The loaded int4 op (avx512_vnni tier), or None: (rows, in) float32 or bfloat16 x blocks
-    (formats.int4_blocks) -> (rows, out) in the rows' dtype."""
-    return None if _state.tier != "avx512_vnni" else _state.ops.int4_linear
-
-
-def rms_norm():
-    """The loaded norm op, or None: (..., d) float32 or bfloat16 rows, (d,) weight of their dtype, eps ->
-    transformers' Qwen3VLTextRMSNorm of them (vlserve.model.decoderops)."""
-    return None if _state.ops is None else _state.ops.rms_norm
-
-
-def rotary():
-    """The loaded rotary op, or None: q, k (batch, heads, tokens, dim) and cos, sin (batch, tokens, dim)
-    of one dtype -> transformers' apply_rotary_pos_emb of them (vlserve.model.decoderops)."""
-    return None if _state.ops is None else _state.ops.rotary
-
-
-def one_query_attention():
-    """The loaded attention op (avx512_vnni tier), or None: q (batch, heads, 1, dim), key and value
-    (batch, kv_heads, tokens, dim) with a contiguous last dimension, mask or None, scale -> (batch, 1,
-    heads, dim) as kernels/reference.py's one_query_attention computes it."""
-    return None if _state.tier != "avx512_vnni" else _state.ops.one_query_attention
-
-
-def int8_layout() -> str:
-    """Which layout int8 weights take in this process (the weight cache keeps each in its own file)."""
-    return "q8tiles" if q8_linear() is not None else "rows"
-
-
-def int4_layout() -> str:
-    """Which layout int4 weights take in this process (the weight cache keeps each in its own file)."""
-    return "blocks" if int4_linear() is not None else "int4pack"
+def _load(root: Path | None) -> Kernels:
+    try:
+        if root is None:
+            raise NativeUnavailable("switched off (native_kernels: off)")
+        tier, why = cpu_tier()
+        if tier is None:
+            raise NativeUnavailable(why)
+        path, built = build(root)
+        torch.ops.load_library(str(path))
+        ops = torch.ops.vlserve
+        bf16 = tier == "avx512_vnni" and BF16_FLAG in (_cpu_flags() or [])
+        _check(ops, tier, bf16)
+    except NativeUnavailable as error:
+        kernels = Kernels(status=KERNELS_STOCK + str(error))
+        log.info("native kernels: %s", kernels.status)
+        return kernels
+    except (OSError, RuntimeError) as error:  # load_library's and the op's errors
+        kernels = Kernels(status=KERNELS_STOCK + "the built kernels do not load (%s)" % str(error).splitlines()[0])
+        log.warning("native kernels: %s", kernels.status)
+        return kernels
+    status = KERNELS_OWN + "%s (%s%s) %s %s" % (
+        TIER_NAMES[tier],
+        "bf16/" if bf16 else "",
+        TIER_OPS[tier],
+        "built into" if built else "loaded from",
+        path,
+    )
+    log.info("native kernels: %s", status)
+    return Kernels(ops=ops, tier=tier, bf16=bf16, status=status)

@@ -59,11 +59,30 @@ INT8_PREFILL_ROWS = 16  # int8 overtakes the packed bf16 product from ~8 rows (2
 QUANTIZE_CHUNK_ROWS = 4096  # rows quantized at a time: the output head's float32 temporaries stay ~32 MB
 
 
-def int8_products_supported() -> bool:
-    """Whether int8 inputs times int8 weights run fast here (vlserve's int8 product: AVX-512 VNNI or
-    AVX2): the int8 vision tower and prompt copies need it; without it they would run torch's
+def int8_products_supported(kernels: native.Kernels) -> bool:
+    """Whether int8 inputs times int8 weights run fast on `kernels` (vlserve's int8 product: AVX-512
+    VNNI or AVX2): the int8 vision tower and prompt copies need it; without it they would run torch's
     weight-only product on float inputs, no faster than float32."""
-    return native.q8_linear() is not None
+    return kernels.q8_linear() is not None
+
+
+class KernelBound:
+    """A weight format whose products run on one process's kernels: `Format.on(kernels)` is the
+    format bound to them (a subclass, made once per pair, so isinstance still sees the format); the
+    unbound class runs torch's. The loader binds every format it hands out."""
+
+    kernels: native.Kernels = native.STOCK_KERNELS
+
+    @classmethod
+    def on(cls, kernels: native.Kernels) -> type:
+        if cls.kernels is kernels:
+            return cls
+        return _bound(cls.__base__ if "kernels" in vars(cls) else cls, kernels)  # from the format itself
+
+
+@functools.cache
+def _bound(cls: type, kernels: native.Kernels) -> type:
+    return type(cls.__name__, (cls,), {"kernels": kernels, "__module__": cls.__module__})
 
 
 @functools.cache
@@ -94,8 +113,8 @@ def _q8_tiles_of(matrix: torch.Tensor) -> tuple[torch.Tensor]:
     return (q8_tiles(*quantize_blocks(matrix, torch.float16)),)
 
 
-class Int8Weight:
-    """A linear layer's weight (and bias) in int8. Where vlserve's int8 product runs (native.q8_linear),
+class Int8Weight(KernelBound):
+    """A linear layer's weight (and bias) in int8. Where vlserve's int8 product runs (kernels.q8_linear),
     Q8_0 in its tiles (`tiles`), multiplied there with inputs rounded per block of 32; elsewhere one
     scale per output row (`values`, `scales`), multiplied by torch's weight-only product with exact
     inputs. The weight cache keeps the two layouts in separate files."""
@@ -106,7 +125,7 @@ class Int8Weight:
         weight = whole(weight).detach()
         self.bias = None if bias is None else bias.detach().float()
         self.shape = tuple(weight.shape)
-        if native.q8_linear() is not None and self.shape[1] % Q8_BLOCK == 0:
+        if self.kernels.q8_linear() is not None and self.shape[1] % Q8_BLOCK == 0:
             (self.tiles,) = _in_chunks(weight, _q8_tiles_of)  # QUANTIZE_CHUNK_ROWS is a multiple of 16
             self.values = self.scales = None
         else:
@@ -143,7 +162,7 @@ class Int8Weight:
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (n, in) of any float dtype -> (n, out): the rows' dtype (vlserve's kernel) or float32."""
         if self.tiles is not None:
-            kernel = native.q8_linear()
+            kernel = self.kernels.q8_linear()
             if kernel is None:  # the weight cache keys its int8 files by layout: not reached in a worker
                 raise RuntimeError("an int8 weight in vlserve's layout, but its kernel is not loaded")
             return kernel(rows if rows.dtype == torch.bfloat16 else rows.float(), self.tiles, self.bias, self.shape[0])
@@ -158,7 +177,7 @@ class Int8Weight:
         return (values.float().reshape(self.shape[0], -1, Q8_BLOCK) * scales.float()[..., None]).reshape(self.shape)
 
 
-class Int4Weight:
+class Int4Weight(KernelBound):
     """A linear layer's weight as 4-bit levels in groups of `group` inputs, in its kernel's layout:
     vlserve's own (`tiled`, native.py: groups of 32, outputs a multiple of 64) where it runs, else
     torch's `_weight_int4pack_mm_for_cpu`.
@@ -184,7 +203,7 @@ class Int4Weight:
             )
         levels, scales, lows = _in_chunks(weight.detach(), functools.partial(int4_groups, group=group))
         self.shape, self.group = (rows, columns), group
-        self.tiled = group == INT4_GROUP and rows % INT4_BLOCK_ROWS == 0 and native.int4_linear() is not None
+        self.tiled = group == INT4_GROUP and rows % INT4_BLOCK_ROWS == 0 and self.kernels.int4_linear() is not None
         if self.tiled:
             self.packed, self.scales_and_zeros = int4_blocks(levels, scales, lows), None
         else:
@@ -235,7 +254,7 @@ class Int4Weight:
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.tiled:
-            kernel = native.int4_linear()
+            kernel = self.kernels.int4_linear()
             if kernel is None:  # the weight cache keys its int4 files by layout: not reached in a worker
                 raise RuntimeError("an int4 weight in vlserve's layout, but its kernel is not loaded")
             return kernel(rows, self.packed)
@@ -361,8 +380,8 @@ class Int8Linear(torch.nn.Module):
         self.weight_int8 = weight
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear) -> Int8Linear:
-        return cls(linear.in_features, linear.out_features, Int8Weight(linear.weight, linear.bias))
+    def from_linear(cls, linear: torch.nn.Linear, kernels: native.Kernels = native.STOCK_KERNELS) -> Int8Linear:
+        return cls(linear.in_features, linear.out_features, Int8Weight.on(kernels)(linear.weight, linear.bias))
 
     @property
     def stored(self) -> Int8Weight:
@@ -385,15 +404,15 @@ class PromptInt8Linear(torch.nn.Module):
     through an int8 copy of its weight once `make_prefill_copy` has made it; decode steps keep the
     original. The same copy protocol as `PackedLinear`, so the engine makes both kinds after ready."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, kernels: native.Kernels):
         super().__init__()
-        self.linear = linear
+        self.linear, self.kernels = linear, kernels
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.prefill_weight: Int8Weight | None = None
         self.prefill_copy_pending = True
 
     def make_prefill_copy(self) -> None:
-        self.prefill_weight = Int8Weight(self.linear.weight, self.linear.bias)
+        self.prefill_weight = Int8Weight.on(self.kernels)(self.linear.weight, self.linear.bias)
         self.prefill_copy_pending = False
 
     def drop_prefill_source(self) -> None:
@@ -406,12 +425,12 @@ class PromptInt8Linear(torch.nn.Module):
         return self.prefill_weight.matmul(rows).to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
-def add_int8_prompt_copies(text_model: torch.nn.Module) -> int:
+def add_int8_prompt_copies(text_model: torch.nn.Module, kernels: native.Kernels) -> int:
     """Wrap every linear layer of an unpacked text decoder in `PromptInt8Linear`; returns how many."""
     count = 0
     for parent in list(text_model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, PromptInt8Linear(child))
+                setattr(parent, name, PromptInt8Linear(child, kernels))
                 count += 1
     return count

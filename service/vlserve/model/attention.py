@@ -36,17 +36,19 @@ def attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     *,
+    kernels: native.Kernels = native.STOCK_KERNELS,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: query (B, H, Q, D), key/value (B, KV, T, D) -> (B, Q, H, D)."""
+    """transformers' attention interface: query (B, H, Q, D), key/value (B, KV, T, D) -> (B, Q, H, D);
+    `kernels` bound at registration (model/patches.py)."""
     if query.shape[2] != 1 or query.dtype == torch.float32 or dropout or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    op = native.one_query_attention()
+    op = kernels.one_query_attention()
     if op is not None and key.stride(-1) == value.stride(-1) == query.stride(-1) == 1 and query.shape[-1] % 16 == 0:
         return op(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     return one_query_attention(query, key, value, attention_mask, scaling=scaling), None

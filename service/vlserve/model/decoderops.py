@@ -40,20 +40,20 @@ class NativeRMSNorm(torch.nn.Module):
         return "%s, eps=%s, native" % (tuple(self.weight.shape), self.variance_epsilon)
 
 
-def rotary(q, k, cos, sin, unsqueeze_dim=1):
+def rotary(q, k, cos, sin, unsqueeze_dim=1, *, op=None):
     """apply_rotary_pos_emb's signature: (batch, heads, tokens, dim) queries and keys, (batch, tokens,
-    dim) tables; other layouts or dtypes go to transformers' function."""
-    op = native.rotary()
+    dim) tables, through `op` (native.Kernels.rotary, bound by model/patches.py); other layouts or
+    dtypes, or no op, go to transformers' function."""
     if op is None or unsqueeze_dim != 1 or q.dtype != cos.dtype or q.dtype not in (torch.bfloat16, torch.float32):
         return STOCK_ROTARY(q, k, cos, sin, unsqueeze_dim)
     return op(q, k, cos, sin)
 
 
-def use_for(model: torch.nn.Module) -> int:
-    """Swap the language model's RMSNorms for the native op when it is loaded; returns how many norms
-    were swapped (0: the library is not loaded, nothing changed; else the caller applies the rotary
-    too, model/patches.py)."""
-    op = native.rms_norm()
+def use_for(model: torch.nn.Module, kernels: native.Kernels) -> int:
+    """Swap the language model's RMSNorms for the native op where `kernels` have it; returns how many
+    norms were swapped (0: no library, nothing changed; else the caller applies the rotary too,
+    model/patches.py)."""
+    op = kernels.rms_norm()
     if op is None:
         return 0
     language_model = model.model.language_model

@@ -21,6 +21,7 @@ import torch
 from vlserve import sizing
 from vlserve.errors import ModelDirectoryError
 from vlserve.kernels import native
+from vlserve.kernels.native import Kernels
 from vlserve.kernels.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
 from vlserve.model import outliers, patches
 from vlserve.model.packing import (
@@ -123,6 +124,7 @@ class LoadedModel:
     model: Any
     processor: Any
     choices: LoadChoices
+    kernels: Kernels  # what its products run on (vlserve.kernels.native)
     pad_id: int
     eos_ids: set[int]
     layout_steps: list[Callable[[], None]] = field(default_factory=list)  # weights still in a plain layout
@@ -147,6 +149,7 @@ class _Taken:
 
     vision_dtype: str
     prefill_dtype: str
+    kernels: Kernels
     packed: bool = False
     prefill_copies: list = field(default_factory=list)
     map_copies: list = field(default_factory=list)
@@ -174,20 +177,18 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     # A quantized model loads in the checkpoint's dtype (from its memory map, no copy) and is converted
     # after: loading in float32 first would hold a float32 copy of every weight for a moment.
     load_dtype = getattr(torch, choices.dtype) if level == "none" else torch.bfloat16
+    # Before any weight or cache file is opened: the int8 and int4 weights' layouts (and so their
+    # cache file) depend on whether vlserve's kernels run, and so does the speed of int8 products.
+    kernels = _kernels_for(model, choices, level, load_dtype, status)
     network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=load_dtype)
     network.eval()
-    patches.attend_through_vlserve(network)
-    taken = _Taken(choices.vision_dtype, choices.prefill_dtype)
-    if level != "none" or "int8" in (taken.vision_dtype, taken.prefill_dtype):
-        # Before any weight or cache file is opened: the int8 and int4 weights' layouts (and so their
-        # cache file) depend on whether vlserve's kernels run, and so does the speed of int8 products.
-        status("loading vlserve's kernels (built once per host)")
-        native.enable(model.native_kernel_root())
+    patches.attend_through_vlserve(network, kernels)
+    taken = _Taken(choices.vision_dtype, choices.prefill_dtype, kernels)
     _without_int8_products(taken, choices)
     # Quantized weights come from the weight cache where it has them (at any level, the vision tower's too).
     root = model.weight_cache_root()
     rounds = level != "none" or taken.vision_dtype == "int8"
-    cache = WeightCache(root, path, level) if root is not None and rounds else None
+    cache = WeightCache(root, path, level, kernels) if root is not None and rounds else None
     prepared = cache.open() if cache is not None else PreparedWeights()
     # The residual streams' outlier channels, which rounded layers keep exact: found on the exact model
     # (one pass over a generated picture) before anything is rounded, or taken from the weight cache.
@@ -211,7 +212,6 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
             network,
             taken,
             choices=choices,
-            model=model,
             prepared=prepared,
             channels=channels,
             load_dtype=load_dtype,
@@ -241,6 +241,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
             packed=taken.packed,
             quantize=level,
         ),
+        kernels=kernels,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         eos_ids=eos_ids,
         layout_steps=layout_steps(network),
@@ -249,11 +250,25 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     )
 
 
+def _kernels_for(model: ModelSettings, choices: LoadChoices, level: str, load_dtype, status) -> Kernels:
+    """vlserve's kernels where a choice runs on them (a quantized level, int8 images or prompts, the
+    exact level's packed bfloat16 decode through its own product), else torch's."""
+    wanted = (
+        level != "none"
+        or "int8" in (choices.vision_dtype, choices.prefill_dtype)
+        or (choices.packed and load_dtype == torch.bfloat16 and packing_supported(load_dtype))
+    )
+    if not wanted:
+        return native.STOCK_KERNELS
+    status("loading vlserve's kernels (built once per host)")
+    return native.load(model.native_kernel_root())
+
+
 def _without_int8_products(taken: _Taken, choices: LoadChoices) -> None:
     """Images and prompts in float where vlserve's int8 product did not load."""
-    if "int8" in (taken.vision_dtype, taken.prefill_dtype) and not int8_products_supported():
+    if "int8" in (taken.vision_dtype, taken.prefill_dtype) and not int8_products_supported(taken.kernels):
         # Prompts fall back to the model's own weights: a float32 copy would be 4x the int8 one the plan counted.
-        log.warning("vlserve's int8 product is not loaded (%s): images and prompts in float", native.status())
+        log.warning("vlserve's int8 product is not loaded (%s): images and prompts in float", taken.kernels.status)
         taken.vision_dtype = "float32" if taken.vision_dtype == "int8" else taken.vision_dtype
         taken.prefill_dtype = choices.dtype if taken.prefill_dtype == "int8" else taken.prefill_dtype
 
@@ -271,29 +286,24 @@ def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prep
         prepared=prepared,
         defer_layouts=True,
         channels=channels,
+        kernels=taken.kernels,
     )
     if choices.dtype != "bfloat16":
         network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
-    patches.decode_through_vlserve(network)  # the norms and rotary in one call each, where the library loaded
+    patches.decode_through_vlserve(network, taken.kernels)  # the norms and rotary in one call each, where loaded
     taken.prefill_dtype = copy or level
     taken.prefill_copies = pending_prefill_copies(network)
     taken.map_copies = checkpoint_copy_steps(network, load_dtype)
     log.info("quantized %d linear layers to %s (prompts in %s)", count, level, taken.prefill_dtype)
 
 
-def _exact(
-    network, taken: _Taken, *, choices: LoadChoices, model: ModelSettings, prepared, channels, load_dtype, status
-):
+def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, load_dtype, status):
     """The exact level: weights packed for oneDNN, taken by vlserve's bfloat16 product, or left as loaded.
 
     Where the plan packs bfloat16 weights and vlserve's own bfloat16 product loads, the weights stay
     plain for it instead: it decodes at the memory's speed where oneDNN's one-row products on AMX
     swing (vlserve/kernels/native.py), and prompts still run on oneDNN. Same memory as packed."""
-    own = False
-    if choices.packed and network.dtype == torch.bfloat16 and packing_supported(network.dtype):
-        status("loading vlserve's kernels (built once per host)")
-        native.enable(model.native_kernel_root())
-        own = native.bf16_linear() is not None
+    own = choices.packed and network.dtype == torch.bfloat16 and taken.kernels.bf16_linear() is not None
     packed = not own and choices.packed and packing_supported(network.dtype)
     if choices.packed and not (packed or own):
         log.warning("packed %s weights are not available on this CPU: decoding from plain weights", choices.dtype)
@@ -311,17 +321,20 @@ def _exact(
             prepared=prepared,
             defer_layouts=True,
             channels=channels,
+            kernels=taken.kernels,
         )
         if own:
-            patches.decode_through_vlserve(network)
+            patches.decode_through_vlserve(network, taken.kernels)
         taken.prefill_copies = pending_prefill_copies(network)
         taken.map_copies = checkpoint_copy_steps(network, load_dtype)
         how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
         log.info("%s %d linear layers (prompts in %s)", how, count, taken.prefill_dtype)
     else:
-        convert_vision_tower(network, getattr(torch, taken.vision_dtype), prepared, True, channels)
+        convert_vision_tower(
+            network, getattr(torch, taken.vision_dtype), prepared, True, channels, kernels=taken.kernels
+        )
         if taken.prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
-            add_int8_prompt_copies(network.model.language_model)
+            add_int8_prompt_copies(network.model.language_model, taken.kernels)
             taken.prefill_copies = pending_prefill_copies(network)
         else:
             taken.prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights

@@ -44,11 +44,13 @@ from collections.abc import Callable
 import torch
 
 from vlserve.kernels import native
+from vlserve.kernels.native import STOCK_KERNELS, Kernels
 from vlserve.kernels.quantized import (
     INT8_PREFILL_ROWS,
     Int4Weight,
     Int8Linear,
     Int8Weight,
+    KernelBound,
     whole,
 )
 from vlserve.model.outliers import exact_format
@@ -125,7 +127,7 @@ class PackedBf16Weight(DeferredBf16Weight):
         return out if self.bias is None else out.add_(self.bias)
 
 
-class NativeBf16Weight(DeferredBf16Weight):
+class NativeBf16Weight(DeferredBf16Weight, KernelBound):
     """A bfloat16 weight in its plain (out, in) layout whose decode steps (1-4 rows) go through
     vlserve's own AVX-512 BF16 product (vlserve.kernels.native), prompts through `F.linear` (oneDNN: AMX where
     the CPU has it). On AMX CPUs oneDNN's one-row products on the packed layout swing between about
@@ -135,7 +137,7 @@ class NativeBf16Weight(DeferredBf16Weight):
     def __init__(
         self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None, *, prepack: bool = True
     ):
-        self.op = native.bf16_linear()
+        self.op = self.kernels.bf16_linear()
         if self.op is None:
             raise RuntimeError("vlserve's bfloat16 product is not loaded")
         inputs = (weight[0] if isinstance(weight, list) else weight).shape[1]
@@ -287,19 +289,21 @@ class PackedLinear(torch.nn.Module):
         )
 
 
-def weight_formats(level: str, packed: bool = True, native: bool = False) -> tuple[Callable, Callable | None]:
-    """(decoder layers', output head's) weight makers for a quantize level; at none, plain bfloat16 for
-    vlserve's own product (`native`), else oneDNN-packed bfloat16 or (`packed` False) plain weights,
-    where the tied head stays the embedding's (None)."""
+def weight_formats(
+    level: str, packed: bool = True, native: bool = False, kernels: Kernels = STOCK_KERNELS
+) -> tuple[Callable, Callable | None]:
+    """(decoder layers', output head's) weight makers for a quantize level, on `kernels`; at none,
+    plain bfloat16 for vlserve's own product (`native`), else oneDNN-packed bfloat16 or (`packed`
+    False) plain weights, where the tied head stays the embedding's (None)."""
     if level == "none":
         if native:
-            return NativeBf16Weight, NativeBf16Weight
+            return NativeBf16Weight.on(kernels), NativeBf16Weight.on(kernels)
         return (PackedBf16Weight, PackedBf16Weight) if packed else (PlainWeight, None)
-    head = Int8Weight  # int4 keeps the output head in int8, as llama.cpp's Q4_K_M keeps it wider
+    head = Int8Weight.on(kernels)  # int4 keeps the output head in int8, as llama.cpp's Q4_K_M keeps it wider
     if level == "int8":
-        return Int8Weight, head
+        return Int8Weight.on(kernels), head
     if level == "int4":
-        return Int4Weight, head
+        return Int4Weight.on(kernels), head
     raise ValueError("quantize level must be one of %s, not %r" % (", ".join(QUANTIZE_LEVELS), level))
 
 
@@ -314,6 +318,7 @@ def pack_language_model(
     prepared=None,
     defer_layouts: bool = False,
     channels: dict[str, list[int]] | None = None,
+    kernels: Kernels = STOCK_KERNELS,
 ) -> int:
     """Put every linear layer of the text decoder and the output head in the layout of `level`
     (none: oneDNN-packed bfloat16, plain weights where `packed` is False, plain ones for vlserve's own
@@ -330,9 +335,10 @@ def pack_language_model(
     `defer_layouts`: leave oneDNN's reorders to `layout_steps` (the worker runs them after ready).
     `channels`: the residual streams' outlier channels, which quantized layers keep exact
     (vlserve/model/outliers.py); a fused group is named by its first member.
+    `kernels`: what the weights' products run on (vlserve.kernels.native.load).
     """
-    convert_vision_tower(model, vision_dtype, prepared, defer_layouts, channels)
-    decoder_weight, head_weight = weight_formats(level, packed, native)
+    convert_vision_tower(model, vision_dtype, prepared, defer_layouts, channels, kernels=kernels)
+    decoder_weight, head_weight = weight_formats(level, packed, native, kernels)
 
     def maker(fmt: Callable, name: str, role: str | None = None) -> Callable:
         if level != "none":
@@ -357,7 +363,7 @@ def pack_language_model(
                 make = maker(decoder_weight, "%s.%s" % (parent_name, "+".join(names)), first)
                 group = PackedGroup(linears, make)
                 for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
-                    prompt = exact_format(Int8Weight, "%s.%s" % (parent_name, name), channels)
+                    prompt = exact_format(Int8Weight.on(kernels), "%s.%s" % (parent_name, name), channels)
                     setattr(
                         parent, name, PackedLinear(linear, make, prefill_dtype, group, index, prefill_format=prompt)
                     )
@@ -365,7 +371,7 @@ def pack_language_model(
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
                 full = "%s.%s" % (parent_name, name)
-                prompt = exact_format(Int8Weight, full, channels)
+                prompt = exact_format(Int8Weight.on(kernels), full, channels)
                 setattr(
                     parent, name, PackedLinear(child, maker(decoder_weight, full), prefill_dtype, prefill_format=prompt)
                 )
@@ -382,11 +388,13 @@ def convert_vision_tower(
     prepared=None,
     defer_layouts: bool = False,
     channels: dict[str, list[int]] | None = None,
+    *,
+    kernels: Kernels = STOCK_KERNELS,
 ) -> None:
-    """The vision tower to `vision_dtype` (int8: quantized linear layers keeping the streams' outlier
-    `channels` exact, float32 for the rest)."""
+    """The vision tower to `vision_dtype` (int8: quantized linear layers on `kernels` keeping the
+    streams' outlier `channels` exact, float32 for the rest)."""
     if vision_dtype == torch.int8:
-        quantize_vision_tower(model.model.visual, prepared, "model.visual", channels)
+        quantize_vision_tower(model.model.visual, prepared, "model.visual", channels, kernels)
     elif vision_dtype is not None and vision_dtype != model.dtype:
         model.model.visual.to(vision_dtype)
 
@@ -439,7 +447,11 @@ def checkpoint_copy_steps(model: torch.nn.Module, checkpoint_dtype: torch.dtype)
 
 
 def quantize_vision_tower(
-    visual: torch.nn.Module, prepared=None, prefix: str = "visual", channels: dict[str, list[int]] | None = None
+    visual: torch.nn.Module,
+    prepared=None,
+    prefix: str = "visual",
+    channels: dict[str, list[int]] | None = None,
+    kernels: Kernels = STOCK_KERNELS,
 ) -> int:
     """Every linear layer of the vision tower to `Int8Linear`, the rest (norms, patch embedding) to
     float32; returns how many layers were quantized. Quantizing first spares a float32 copy of them.
@@ -450,7 +462,7 @@ def quantize_vision_tower(
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
                 full = ".".join(part for part in (prefix, parent_name, name) if part)
-                fmt = exact_format(Int8Weight, full, channels)
+                fmt = exact_format(Int8Weight.on(kernels), full, channels)
                 make = functools.partial(fmt, child.weight, child.bias)
                 shape = tuple(child.weight.shape)
                 weight = make() if prepared is None else prepared.weight(full, fmt, make, shape)

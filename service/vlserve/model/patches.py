@@ -14,23 +14,26 @@ module assigns to transformers' modules or registers in its interfaces.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 
+from vlserve.kernels.native import Kernels
 from vlserve.model import attention, decoderops
 
 
-def attend_through_vlserve(model: torch.nn.Module) -> None:
-    """The language model of a loaded Qwen3-VL attends through vlserve's attention."""
-    AttentionInterface.register(attention.NAME, attention.attention)
+def attend_through_vlserve(model: torch.nn.Module, kernels: Kernels) -> None:
+    """The language model of a loaded Qwen3-VL attends through vlserve's attention, on `kernels`."""
+    AttentionInterface.register(attention.NAME, functools.partial(attention.attention, kernels=kernels))
     AttentionMaskInterface.register(attention.NAME, sdpa_mask)  # the same masks as sdpa
     model.config.text_config._attn_implementation = attention.NAME
 
 
-def decode_through_vlserve(model: torch.nn.Module) -> None:
+def decode_through_vlserve(model: torch.nn.Module, kernels: Kernels) -> None:
     """The language model's norms (its own instances) and rotary embedding (transformers' function)
-    through vlserve's ops, where they are loaded."""
-    if decoderops.use_for(model):
-        modeling_qwen3_vl.apply_rotary_pos_emb = decoderops.rotary
+    through vlserve's ops, where `kernels` have them."""
+    if decoderops.use_for(model, kernels):
+        modeling_qwen3_vl.apply_rotary_pos_emb = functools.partial(decoderops.rotary, op=kernels.rotary())

@@ -61,7 +61,7 @@ def _safetensors_header(path: Path) -> bytes:
         return file.read(length)
 
 
-def cache_key(model_dir: Path, level: str) -> dict[str, Any]:
+def cache_key(model_dir: Path, level: str, kernels: native.Kernels) -> dict[str, Any]:
     """What the cached tensors are a function of: a file whose key differs is rebuilt."""
     files = []
     for path in sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"]):
@@ -74,8 +74,8 @@ def cache_key(model_dir: Path, level: str) -> dict[str, Any]:
         "format": FORMAT,
         "level": level,
         "int4_group": INT4_GROUP,
-        "int8_layout": native.int8_layout(),
-        **({"int4_layout": native.int4_layout()} if level == "int4" else {}),
+        "int8_layout": kernels.int8_layout(),
+        **({"int4_layout": kernels.int4_layout()} if level == "int4" else {}),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "model": files,
@@ -119,16 +119,16 @@ class PreparedWeights:
 
 
 class WeightCache:
-    """One model's cache file at one level."""
+    """One model's cache file at one level, in the layouts of the process's `kernels`."""
 
-    def __init__(self, root: Path, model_dir: Path, level: str):
+    def __init__(self, root: Path, model_dir: Path, level: str, kernels: native.Kernels):
         self.model_dir, self.level = model_dir, level
         place = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
         # Weights in each kernel's layout have a file each: switching kernels rounds nothing again.
-        layouts = [native.int8_layout(), *([native.int4_layout()] if level == "int4" else [])]
+        layouts = [kernels.int8_layout(), *([kernels.int4_layout()] if level == "int4" else [])]
         variant = "-".join([level, *layouts])
         self.path = root / ("%s-%s-%s.safetensors" % (model_dir.resolve().name, place, variant))
-        self.key = cache_key(model_dir, level)
+        self.key = cache_key(model_dir, level, kernels)
 
     def open(self) -> PreparedWeights:
         """The cached weights when the file's key is this one; else an empty set, with the reason logged."""

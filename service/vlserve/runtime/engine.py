@@ -98,7 +98,7 @@ class Engine:
     @property
     def kernels(self) -> str:
         """Which kernels serve the products (vlserve's own at which ISA tier, or torch's)."""
-        return native.status()
+        return native.STOCK if self.loaded is None else self.loaded.kernels.status
 
     # -- lifecycle --------------------------------------------------------------------------
 
