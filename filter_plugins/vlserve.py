@@ -27,19 +27,6 @@ def _load(name: str):
     return sys.modules[qualified]
 
 
-def _source_digest(service: str) -> str:
-    """The digest of what scripts/pack-source ships from `service` (the benchmarks do not count)."""
-    from importlib.machinery import SourceFileLoader  # noqa: PLC0415
-
-    if "vlserve_pack_source" not in sys.modules:
-        loader = SourceFileLoader("vlserve_pack_source", str(_REPO / "scripts" / "pack-source"))
-        sys.modules["vlserve_pack_source"] = importlib.util.module_from_spec(
-            importlib.util.spec_from_loader(loader.name, loader)
-        )
-        loader.exec_module(sys.modules["vlserve_pack_source"])
-    return sys.modules["vlserve_pack_source"].source_digest(pathlib.Path(service))
-
-
 def _tree_digest(paths: list[str], contents: bool = True) -> str:
     """sha256 over the names and contents (or, without `contents`, sizes and times) of every file below
     the paths, in a stable order."""
@@ -73,8 +60,6 @@ class FilterModule:
             "vlserve_fleet_context": _load("ops/units").fleet_context,
             # files and directories on the controller -> one sha256 of their contents (the rollout's fingerprint)
             "vlserve_tree_digest": _tree_digest,
-            # the service directory -> the sha256 of the package's files a host gets (its archive's name)
-            "vlserve_source_digest": _source_digest,
             # every host's audit report -> the fleet's summary, and its table
             "vlserve_fleet_summary": _load("ops/audit").fleet_summary,
             "vlserve_render_fleet": _load("ops/audit").render_fleet,

@@ -75,9 +75,12 @@ def torch_wheel(tmp_path_factory) -> str:
     pin = next(
         line for line in (REPO / "service" / "requirements.txt").read_text().splitlines() if line.startswith("torch==")
     )
-    subprocess.run(
-        [str(VENV_BIN / "pip"), "download", "-q", "--no-deps", "-d", str(target), pin], check=True, timeout=600
-    )
+    # As scripts/bootstrap finds it: a wheel pip's own configuration provides, else the CPU index
+    # (never PyPI's, whose torch for Linux is the CUDA build).
+    download = [str(VENV_BIN / "pip"), "download", "-q", "--no-deps", "-d", str(target), pin]
+    if subprocess.run([*download, "--no-index"], check=False, capture_output=True, timeout=600).returncode:
+        index = os.environ.get("VLSERVE_TORCH_INDEX_URL", "https://download.pytorch.org/whl/cpu")
+        subprocess.run([*download, "--index-url", index], check=True, timeout=1800)
     return str(next(target.glob("torch-*.whl")))
 
 

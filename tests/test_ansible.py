@@ -9,15 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import json
-import os
 import pathlib
-import shutil
-import tarfile
-import tomllib
 import typing
-from importlib.machinery import SourceFileLoader
 
 import pytest
 import yaml
@@ -131,75 +125,6 @@ def test_a_tag_reapplies_one_concern_after_the_sizing():
 def test_docs_role_variables_match_the_argument_specs():
     result = run_tool("python", "scripts/role-docs", "--check")
     assert result.returncode == 0, result.stderr
-
-
-def _pack_source():
-    loader = SourceFileLoader("pack_source", str(REPO / "scripts/pack-source"))
-    spec = importlib.util.spec_from_loader("pack_source", loader)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_shipped_source_holds_every_package_and_data_file_a_host_runs(tmp_path):
-    """A new subpackage or data file of vlserve reaches the hosts (only the benchmarks stay behind)."""
-    archive = tmp_path / "source.tar.gz"
-    assert run_tool("python", "scripts/pack-source", str(archive)).returncode == 0
-    with tarfile.open(archive) as tar:
-        names = {name.split("/", 1)[1] for name in tar.getnames()}
-    service = REPO / "service"
-    packages = {str(p.relative_to(service)) for p in (service / "vlserve").rglob("__init__.py")}
-    assert {p for p in packages if not p.startswith("vlserve/bench/")} <= names
-    assert not any(name.startswith("vlserve/bench/") or "__pycache__" in name for name in names), names
-    assert "pyproject.toml" in names
-    globs = tomllib.loads((service / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    for pattern in globs["vlserve"]:
-        data = {str(p.relative_to(service)) for p in (service / "vlserve").glob(pattern)}
-        assert data and data <= names, pattern
-
-
-def test_the_shipped_source_is_the_same_bytes_for_the_same_source(tmp_path):
-    """Reproducible, so the deploy role's copy changes nothing on a re-run: times and modes on disk do not count."""
-    pack = _pack_source()
-    service = tmp_path / "service"
-    shutil.copytree(REPO / "service", service, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    first = pack.archive_bytes(service)
-    (service / "vlserve" / "errors.py").touch()
-    os.chmod(service / "vlserve" / "errors.py", 0o600)
-    assert pack.archive_bytes(service) == first
-    (service / "vlserve" / "errors.py").write_text("# changed\n")
-    assert pack.archive_bytes(service) != first
-
-
-def test_only_what_ships_names_the_archive_and_rolls_the_fleet(tmp_path):
-    """A benchmark-only change leaves the deploy role's source digest (archive name, fingerprint) alone."""
-    pack = _pack_source()
-    service = tmp_path / "service"
-    shutil.copytree(REPO / "service", service, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    first = pack.source_digest(service)
-    (service / "vlserve" / "bench" / "compare.py").write_text("# changed\n")
-    (service / "vlserve" / "__pycache__").mkdir(exist_ok=True)
-    (service / "vlserve" / "__pycache__" / "errors.cpython-311.pyc").write_bytes(b"stale")
-    assert pack.source_digest(service) == first
-    (service / "vlserve" / "errors.py").write_text("# changed\n")
-    assert pack.source_digest(service) != first
-    spec = importlib.util.spec_from_file_location("vlserve_filters", REPO / "filter_plugins" / "vlserve.py")
-    filters = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(filters)
-    assert filters.FilterModule().filters()["vlserve_source_digest"](str(REPO / "service")) == pack.source_digest()
-
-
-def test_packing_with_keep_removes_only_the_oldest_other_archives(tmp_path):
-    pack = _pack_source()
-    for age in range(4):
-        old = tmp_path / ("source-old%d.tar.gz" % age)
-        old.write_bytes(b"old")
-        os.utime(old, (1e9 - age, 1e9 - age))
-    (tmp_path / "notes.txt").write_text("not an archive")
-    assert pack.main(["--keep", "2", str(tmp_path / "source-new.tar.gz")]) == 0
-    left = sorted(path.name for path in tmp_path.iterdir())
-    assert left == ["notes.txt", "source-new.tar.gz", "source-old0.tar.gz", "source-old1.tar.gz"]
-    assert pack.main(["--keep", "x", str(tmp_path / "a.tar.gz")]) == 2
 
 
 def test_tuning_roles_take_their_paths_from_the_audit():

@@ -8,9 +8,11 @@ behind the HAProxy front; every expectation about workers and threads is read fr
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import threading
 import time
+import zipfile
 
 import httpx
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from conftest import free_port
 from harness import nspawn
 from harness.playbooks import audit, play, recap
+from harness.releases import build_release
 from sample_images import image_question, png_bytes
 from vlserve.kernels import native
 
@@ -277,6 +280,70 @@ def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request
     # The Q8_0 tiles of the kernels loaded above, in their own file (vlserve/model/weightcache.py).
     assert "-int8-q8tiles.safetensors" in guest.ssh("ls /var/cache/vlserve/weights").stdout
     assert ask(host_vars).status_code == 200
+
+
+def _broken_copy(release: dict, directory: pathlib.Path) -> str:
+    """The same wheel with a Wheel-Version no pip installs: it builds, describes and copies, then fails."""
+    target = directory / release["wheel"]
+    with zipfile.ZipFile(release["path"]) as good, zipfile.ZipFile(target, "w") as broken:
+        for info in good.infolist():
+            body = good.read(info)
+            if info.filename.endswith(".dist-info/WHEEL"):
+                body = body.replace(b"Wheel-Version: 1.0", b"Wheel-Version: 9.0")
+            broken.writestr(info, body)
+    return str(target)
+
+
+def test_releases_switch_only_once_installed_and_the_oldest_are_pruned(guest, workdir, deployed, host_vars, tmp_path):
+    """Two kept: after a broken release (refused, the current one serving on) and two good ones, the
+    host holds the last two, runs the newest, and keeps one dependencies' virtualenv for all."""
+    kept = dict(host_vars, vlserve_deploy_releases_kept=2)
+    first = guest.ssh("readlink /opt/vlserve/current").stdout.strip()
+    second, third = (build_release(tmp_path / name, marker=name) for name in ("second", "third"))
+    broken_dir = tmp_path / "broken"
+    broken_dir.mkdir()
+    client = Client(host_vars)
+    client.start()
+    refused = play(guest, workdir, "site.yml", **kept, vlserve_deploy_release_wheel=_broken_copy(second, broken_dir))
+    outcomes = client.stop()
+    assert refused.returncode != 0
+    assert (
+        "did not install (Install the wheel" in refused.stdout and "the current release keeps serving" in refused.stdout
+    )
+    assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == first
+    assert outcomes and all(o == 200 for o in outcomes), [o for o in outcomes if o != 200]
+    for release in (second, third):
+        result = play(guest, workdir, "site.yml", **kept, vlserve_deploy_release_wheel=release["path"])
+        assert result.returncode == 0, result.stdout[-4000:]
+        name = "%s-%s" % (release["version"], release["sha256"][:12])
+        assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + name
+        assert (
+            guest.ssh("/opt/vlserve/current/venv/bin/vlserve --version").stdout.strip()
+            == "vlserve " + release["version"]
+        )
+    held = guest.ssh("ls /opt/vlserve/releases").stdout.split()
+    assert held == sorted("%s-%s" % (r["version"], r["sha256"][:12]) for r in (second, third)), held
+    assert len(guest.ssh("ls /opt/vlserve/deps").stdout.split()) == 1
+    # The workers run the current release: the script's interpreter is its own virtualenv's.
+    for index in (0, 1):
+        command = guest.ssh("tr '\\0' ' ' < /proc/%s/cmdline" % main_pid(guest, index)).stdout
+        assert "releases/%s-%s/venv/bin/python" % (third["version"], third["sha256"][:12]) in command, command
+    assert ask(host_vars).status_code == 200
+
+
+def test_every_command_runs_on_the_host_from_the_installed_release(guest, deployed):
+    """No checkout on the host: each command of the current release, the benchmarks and the renderer included."""
+    vlserve = "/opt/vlserve/current/venv/bin/vlserve"
+    listed = guest.ssh(vlserve + " --help").stdout.split("COMMAND\n", 1)[1].split("\noptions:", 1)[0]
+    commands = [line.split()[0] for line in listed.splitlines() if re.match(r"^    \S", line)]
+    assert {"quant-check", "bench", "bench-decode", "render-units", "serve"} <= set(commands), commands
+    guest.ssh("cd / && " + " && ".join("%s %s --help >/dev/null" % (vlserve, c) for c in commands))
+    guest.ssh("cd / && %s quant-check --model /var/lib/vlserve/model --prompts 1 --answer-tokens 4" % vlserve)
+    guest.ssh(
+        "cd / && %s bench-decode --model /var/lib/vlserve/model --levels int8 --tokens 2 --rounds 1 "
+        "--prompt-tokens 8" % vlserve
+    )
+    guest.ssh("cd / && %s render-units --out /tmp/rendered && test -f /tmp/rendered/etc/vlserve/haproxy.cfg" % vlserve)
 
 
 def test_a_missing_model_fails_the_unit_fast_and_the_play_says_why(guest, workdir, deployed, host_vars, tmp_path):

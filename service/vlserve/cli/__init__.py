@@ -8,20 +8,36 @@ checkpoint directory in every command; the sizing policy's footprint is `--footp
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 from vlserve import __version__
 from vlserve.cli import bench, host, model, render, serve
 from vlserve.cli.common import BadInput
 
-GROUPS = (host, serve, render, model, bench)
+# The planner and the renderers run on a bare controller; the rest needs the service's stack
+# (`pip install vlserve[serve]`, what the hosts get), and is listed only where it is installed.
+BARE_GROUPS = (host, render)
+SERVICE_GROUPS = (serve, model, bench)
+SERVICE_STACK = ("torch", "transformers", "fastapi", "uvicorn", "httpx")
+
+
+def service_stack_installed() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in SERVICE_STACK)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlserve", description="Size, tune and serve Qwen3-VL on CPU-only hosts.")
+    with_service = service_stack_installed()
+    parser = argparse.ArgumentParser(
+        prog="vlserve",
+        description="Size, tune and serve Qwen3-VL on CPU-only hosts.",
+        epilog=None
+        if with_service
+        else "serve, the benchmarks and make-test-model need the service's packages: pip install 'vlserve[serve]'",
+    )
     parser.add_argument("--version", action="version", version="vlserve " + __version__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in GROUPS:
+    for group in BARE_GROUPS + (SERVICE_GROUPS if with_service else ()):
         group.add_commands(commands)
     return parser
 

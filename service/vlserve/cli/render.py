@@ -14,16 +14,12 @@ from vlserve.cli.common import (
     policy_from_args,
 )
 
-REPO_TEMPLATES = pathlib.Path(__file__).resolve().parents[3] / "templates"
-
-
-ROLES = pathlib.Path(__file__).resolve().parents[3] / "roles"
-
-
-DEPLOY_DEFAULTS = ROLES / "vlserve_deploy" / "defaults" / "main.yml"
-
-
-FRONT_DEFAULTS = ROLES / "vlserve_front" / "defaults" / "main.yml"
+# The package's data: in a checkout, links to the repository's templates/ and the two roles' defaults;
+# in the wheel (scripts/release), copies of them. So these commands work from an installed release.
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+TEMPLATES = DATA / "templates"
+DEPLOY_DEFAULTS = DATA / "deploy-defaults.yml"
+FRONT_DEFAULTS = DATA / "front-defaults.yml"
 
 
 MANAGED = "Managed by vlserve render-units: local changes will be overwritten."
@@ -106,9 +102,7 @@ def add_commands(commands) -> None:
     )
     render.add_argument("--out", required=True, help="directory to write the file tree into (mirrors /)")
     render.add_argument("--facts", metavar="FILE", help="facts JSON to plan for (default: probe this host)")
-    render.add_argument(
-        "--templates", default=str(REPO_TEMPLATES), help="the templates directory (default: %(default)s)"
-    )
+    render.add_argument("--templates", default=str(TEMPLATES), help="the templates directory (default: %(default)s)")
     render.add_argument("--model", dest="deploy_model_dir", help="checkpoint directory on the host")
     render.add_argument("--front-port", dest="deploy_front_port", type=int, help="port of the front")
     render.add_argument("--api-key", dest="deploy_api_key", help="API key the front requires")
@@ -133,7 +127,5 @@ def add_commands(commands) -> None:
     fleet.add_argument("--bind", help="address the fleet front listens on")
     fleet.add_argument("--api-key", dest="api_key", help="API key the fleet front requires")
     fleet.add_argument("--check-interval-s", dest="check_interval_s", type=int, help="seconds between health checks")
-    fleet.add_argument(
-        "--templates", default=str(REPO_TEMPLATES), help="the templates directory (default: %(default)s)"
-    )
+    fleet.add_argument("--templates", default=str(TEMPLATES), help="the templates directory (default: %(default)s)")
     fleet.set_defaults(handler=cmd_render_fleet)

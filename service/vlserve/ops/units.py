@@ -75,7 +75,7 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         "model_name": plan["model"]["name"],
         "served_model_name": options["served_model_name"],
         "install_dir": install_dir,
-        "venv": install_dir + "/venv",
+        "venv": install_dir + "/current/venv",  # the current release's (the deploy role switches the link)
         "user": options["user"],
         "group": options["group"],
         "config_dir": CONFIG_DIR,
