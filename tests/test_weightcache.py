@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pathlib
 
 import pytest
 import torch
@@ -215,3 +216,18 @@ def test_cached_weights_are_mapped_at_aligned_addresses(checkpoint, tmp_path):
     for layer in prepared.found.values():
         for tensor in layer.values():
             assert tensor.data_ptr() % weightcache.ALIGNMENT == 0
+
+
+def test_the_key_names_the_code_that_wrote_the_file(monkeypatch, tmp_path):
+    """A release that changes how weights are rounded or laid out rounds them again: no number to bump."""
+    package = pathlib.Path(weightcache.__file__).resolve().parents[1]
+    for name in weightcache.WRITERS:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((package / name).read_bytes())
+    monkeypatch.setattr(weightcache, "__file__", str(tmp_path / "model" / "weightcache.py"))
+    weightcache.code_digest.cache_clear()
+    before = weightcache.code_digest()
+    (tmp_path / "kernels" / "formats.py").write_text("# another layout\n")
+    weightcache.code_digest.cache_clear()
+    assert weightcache.code_digest() != before
+    weightcache.code_digest.cache_clear()

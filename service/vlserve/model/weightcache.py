@@ -9,7 +9,8 @@ file instead: nothing is copied at load, and workers on one host share its pages
 
 A cache file is used only when the key in its header equals the one this process computes: the
 checkpoint's files (names, sizes, modification times, a digest of each safetensors header), the
-level and its group size, torch's version and CPU capability, and this format's version. Anything
+level and its group size, torch's version and CPU capability, and a digest of the code that decides
+what the file holds (WRITERS: this module, the packing, the outlier channels, the formats). Anything
 else (another checkpoint copied in place, a torch upgrade, a file brought from another host, a
 truncated or unreadable file, a layer of the wrong shape) makes the worker round the weights again
 and replace the file, atomically, so a crash mid-write leaves the old file or none. safetensors
@@ -19,6 +20,7 @@ holds tensors only (no pickled code), and the directory belongs to the service's
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -36,7 +38,15 @@ from vlserve.kernels.formats import INT4_GROUP
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when the tensors a weight format stores, or their placement in the file, change
+# The modules whose code decides the cached tensors and their placement: a release that changes
+# any of them rounds the weights again, with no version number to remember to bump.
+WRITERS = (
+    "model/weightcache.py",
+    "model/packing.py",
+    "model/outliers.py",
+    "kernels/formats.py",
+    "kernels/quantized.py",
+)
 KEY_FIELD = "vlserve_weight_cache_key"
 # Every tensor starts at a multiple of this in the file, so at a cache-line boundary in the map. torch's
 # int4 kernel reads a weight that starts 16 bytes past a boundary 50% slower (33.7 ms against 22.3 ms
@@ -61,6 +71,15 @@ def _safetensors_header(path: Path) -> bytes:
         return file.read(length)
 
 
+@functools.cache
+def code_digest() -> str:
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for name in WRITERS:
+        digest.update(name.encode() + b"\0" + (package / name).read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def cache_key(model_dir: Path, level: str, kernels: native.Kernels) -> dict[str, Any]:
     """What the cached tensors are a function of: a file whose key differs is rebuilt."""
     files = []
@@ -71,7 +90,7 @@ def cache_key(model_dir: Path, level: str, kernels: native.Kernels) -> dict[str,
             entry["header_sha256"] = hashlib.sha256(_safetensors_header(path)).hexdigest()
         files.append(entry)
     return {
-        "format": FORMAT,
+        "code": code_digest(),
         "level": level,
         "int4_group": INT4_GROUP,
         "int8_layout": kernels.int8_layout(),
