@@ -7,6 +7,7 @@ behind the HAProxy front; every expectation about workers and threads is read fr
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -258,8 +259,9 @@ def test_a_killed_worker_is_restarted_and_the_front_routes_around_it(guest, depl
 
 def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request(guest, workdir, deployed, host_vars):
     """int8 on a host that ran exact, as an 8 GB laptop's plan would: each worker comes back with the
-    int8 kernel (the compiler installed, the kernels built by the first worker, at whatever level)
-    and its weights rounded into the cache directory, and the other worker answers meanwhile."""
+    int8 kernel (the compiler installed, the kernels built by the deploy's step before any worker
+    restarted, loaded by both) and its weights rounded into the cache directory, and the other
+    worker answers meanwhile."""
     pids = [main_pid(guest, 0), main_pid(guest, 1)]
     client = Client(host_vars)
     client.start()
@@ -275,11 +277,42 @@ def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request
     for worker in plan["worker_list"]:
         info = httpx.get("http://127.0.0.1:%d/readyz" % worker["port"], timeout=10).json()
         assert info["quantize"] == "int8", info
-        # built by one worker, loaded by the other
-        assert "/var/cache/vlserve/kernels/vlserve_kernels-" in info["kernels"], info
+        # built by the deploy's step, loaded by every worker (none compiles in its start)
+        assert "loaded from /var/cache/vlserve/kernels/vlserve_kernels-" in info["kernels"], info
+    record = json.loads(guest.ssh("cat /var/cache/vlserve/kernels/build.json").stdout)
+    assert record["own"] and record["library"] in info["kernels"]
+    for worker in plan["worker_list"]:  # start to ready, as systemd counts it (Type=notify), for the figures
+        times = guest.ssh(
+            "systemctl show -p ExecMainStartTimestampMonotonic -p ActiveEnterTimestampMonotonic --value vlserve@%d"
+            % worker["index"]
+        ).stdout.split()
+        print("vlserve@%d started in %.1f s" % (worker["index"], (int(times[1]) - int(times[0])) / 1e6))
     # The Q8_0 tiles of the kernels loaded above, in their own file (vlserve/model/weightcache.py).
     assert "-int8-q8tiles.safetensors" in guest.ssh("ls /var/cache/vlserve/weights").stdout
     assert ask(host_vars).status_code == 200
+
+
+@pytest.mark.skipif(native.cpu_tier()[0] is None, reason="this CPU runs none of vlserve's kernels: nothing to fail")
+def test_a_host_whose_kernels_cannot_be_built_fails_unless_the_fallback_is_allowed(guest, workdir, deployed, host_vars):
+    """The int8 plan of the test before, its compiler gone and its builds removed: the play stops at the
+    kernels' step naming the cause, before any worker restarts; allowed, it warns; repaired, it builds."""
+    int8 = dict(host_vars, vlserve_facts_quantize="int8", vlserve_deploy_settings={"max_pixels": 40000})
+    pids = [main_pid(guest, 0), main_pid(guest, 1)]
+    guest.ssh("for c in c++ g++; do mv /usr/bin/$c /usr/bin/$c.away; done; rm /var/cache/vlserve/kernels/*.so")
+    try:
+        refused = play(guest, workdir, "playbooks/deploy.yml", **int8)
+        assert refused.returncode != 0
+        assert "vlserve's kernels cannot serve on this host (stock kernels: no C++ compiler" in refused.stdout
+        assert "vlserve_deploy_kernels_fallback_ok" in refused.stdout
+        allowed = play(guest, workdir, "playbooks/deploy.yml", **int8, vlserve_deploy_kernels_fallback_ok=True)
+        assert allowed.returncode == 0, allowed.stdout[-4000:]
+        assert "the workers run torch's kernels (stock kernels: no C++ compiler" in allowed.stdout
+    finally:
+        guest.ssh("for c in c++ g++; do mv /usr/bin/$c.away /usr/bin/$c; done")
+    assert [main_pid(guest, 0), main_pid(guest, 1)] == pids  # nothing restarted on a build that failed
+    repaired = play(guest, workdir, "playbooks/deploy.yml", **int8)
+    assert repaired.returncode == 0, repaired.stdout[-4000:]
+    assert json.loads(guest.ssh("cat /var/cache/vlserve/kernels/build.json").stdout)["built"] is True
 
 
 def _broken_copy(release: dict, directory: pathlib.Path) -> str:

@@ -7,6 +7,7 @@ from the CPU the tests were written on."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import re
@@ -19,7 +20,7 @@ import torch
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
-from conftest import NATIVE_KERNELS
+from conftest import NATIVE_KERNELS, VENV_BIN, run_tool
 from vlserve.kernels import native
 from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
 from vlserve.kernels.quantized import Int4Weight, Int8Weight
@@ -272,6 +273,60 @@ def test_without_a_compiler_the_reason_says_what_to_install(tmp_path, monkeypatc
         native.build(tmp_path)
     if TIER is not None:
         assert native.load(tmp_path).status == "stock kernels: no C++ compiler (install g++, or set CXX)"
+
+
+def test_a_worker_that_must_not_build_loads_the_build_or_says_why_there_is_none(tmp_path, fresh_state, monkeypatch):
+    """As deployed workers run (kernels_build off): what `vlserve kernels` built, else torch's with its record."""
+    (tmp_path / native.BUILD_RECORD).write_text(json.dumps({"status": "stock kernels: no C++ compiler"}))
+    kernels = native.load(tmp_path, build_missing=False)
+    assert (
+        kernels.status
+        == "stock kernels: not built for this release and torch (vlserve kernels: stock kernels: no C++ compiler)"
+    )
+    assert not list(tmp_path.glob("*.so*"))  # nothing was compiled
+    if TIER is not None:
+        native.build(pathlib.Path(NATIVE_KERNELS))
+        monkeypatch.setattr(native, "_outcome", None)  # a new process
+        loaded = native.load(pathlib.Path(NATIVE_KERNELS), build_missing=False)
+        assert loaded.ops is not None and "loaded from" in loaded.status
+
+
+def test_the_kernels_command_builds_checks_records_and_prunes(tmp_path):
+    """The deploy role's step, as it runs it; and without a compiler, the reason in the record, exit 0."""
+    root = tmp_path / "kernels"
+    root.mkdir()
+    stale = root / "vlserve_kernels-0000000000000000.so"
+    stale.write_bytes(b"an older build")
+    if TIER is not None:  # the session's build, as if this step had made it before: no compile here
+        built = native.library_path(pathlib.Path(NATIVE_KERNELS))
+        native.build(pathlib.Path(NATIVE_KERNELS))
+        (root / built.name).write_bytes(built.read_bytes())
+    result = run_tool("vlserve", "kernels", "--cache-dir", str(root), "--json", timeout=600)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record == json.loads((root / native.BUILD_RECORD).read_text())
+    assert record["expected"] == (TIER is not None) and record["own"] == (TIER is not None)
+    if TIER is not None:
+        assert record["library"] == str(native.library_path(root)) and record["built"] is False
+        assert record["pruned"] == [str(stale)] and not stale.exists()
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for tool in ("python", "python3", "vlserve"):
+        (bare / tool).symlink_to(VENV_BIN / tool)
+    empty = tmp_path / "empty"
+    no_compiler = subprocess.run(
+        [str(VENV_BIN / "vlserve"), "kernels", "--cache-dir", str(empty), "--json"],
+        env={**os.environ, "PATH": str(bare), "CXX": ""},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert no_compiler.returncode == 0, no_compiler.stderr
+    record = json.loads(no_compiler.stdout)
+    assert not record["own"]
+    if TIER is not None:
+        assert record["expected"] and "no C++ compiler" in record["status"]
 
 
 def test_switched_off_it_is_not_built(tmp_path, fresh_state):

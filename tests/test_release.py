@@ -68,6 +68,8 @@ def test_a_commit_outside_what_ships_builds_the_same_wheel_and_one_inside_a_new_
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], check=True)
     for name in _release_module().INPUTS:  # this checkout's inputs as they are, committed in the clone
         source = REPO / name
+        if (clone / name).is_dir():
+            shutil.rmtree(clone / name)
         if source.is_dir():
             shutil.copytree(
                 source,

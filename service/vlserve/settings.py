@@ -103,10 +103,18 @@ class ModelSettings(BaseSettings):
 
     native_kernels: str = Field(
         "auto",
-        description="directory where the first start builds vlserve's kernels with the host's C++ compiler, "
-        "for every later start to load (rebuilt when their sources, torch or the compiler change); used where "
+        description="directory where `vlserve kernels` (or, with kernels_build, the first start) builds "
+        "vlserve's kernels with the host's C++ compiler, for every start to load (rebuilt when their sources "
+        "or torch change); used where "
         "the CPU has AVX2 (int8 products, norm, rotary) or AVX-512 VNNI (all of them), stock kernels "
         "elsewhere; auto: systemd's CacheDirectory=, else ~/.cache/vlserve/kernels; off: stock kernels only",
+    )
+
+    kernels_build: bool = Field(
+        True,
+        description="build vlserve's kernels at start when native_kernels holds none for this release; false "
+        "(as the deploy role sets it, having built them with `vlserve kernels` first): load only, so no "
+        "compiler runs in a worker's start, and a missing build shows as torch's kernels in /readyz",
     )
 
     @field_validator("weight_cache", "native_kernels")

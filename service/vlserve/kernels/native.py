@@ -17,12 +17,15 @@ oneDNN's int8 kernels, which round a whole row with one scale and, on CPUs witho
 their 16-bit pair sums (held to AVX2 here, torch._int_mm and oneDNN's prepacked product returned
 wrong sums: docs/quantization.md). The int4 product rounds its inputs the same way.
 
-They are built with the host's C++ compiler against the installed torch, the first time a worker
-needs them, into `<cache>/vlserve_kernels-<key>.so` (about 10 s); the key digests the sources,
-torch's version, the compiler's version and the flags, so an upgrade of any of them builds a new
-file and a stale one is never loaded. A lock file serialises builds, which go to a temporary name
-and are renamed, so workers starting together build once and none loads a half-written file.
-Before use, each op of the tier is checked against a reference computed in Python.
+They are built with the host's C++ compiler against the installed torch into
+`<cache>/vlserve_kernels-<key>.so` (about 10 s); the key digests the sources, torch's version, the
+Python ABI and the flags, so an upgrade of any of them builds a new file and a stale one is never
+loaded. On a deployed host `vlserve kernels` builds and checks them before any worker starts (the
+deploy role's step: workers run with `kernels_build` off and only load, so no compiler runs in a
+unit's start), records the outcome in `<cache>/build.json` and removes the builds of other keys.
+Elsewhere the first worker that needs them builds them. A lock file serialises builds, which go to
+a temporary name and are renamed, so workers starting together build once and none loads a
+half-written file. Before use, each op of the tier is checked against a reference computed in Python.
 
 Where they cannot be had (not x86-64, no AVX2, torch held below AVX2, no compiler, a failed build or
 check, `native_kernels: off`) the reason is logged once, shown by /readyz and /status, and torch's
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -70,6 +74,7 @@ BF16_FLAG = "avx512_bf16"  # bf16_linear's vdpbf16ps, beyond the avx512_vnni tie
 BF16_INPUT_MULTIPLE = 32  # its inputs per vdpbf16ps
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
 BUILD_TIMEOUT_S = 600
+BUILD_RECORD = "build.json"  # what `vlserve kernels` found, beside the builds: the deploy role reads it
 # How far the norm op may be from transformers' RMSNorm, relative: its float32 sum of squares adds in
 # another order, which moves a float32 result by a few units in the last place and a bfloat16 one
 # by at most one (where the float32 value was near a tie).
@@ -154,26 +159,43 @@ def _command(cxx: str, output: Path) -> list[str]:
     ]
 
 
-def library_path(root: Path, cxx: str) -> Path:
-    """Where the build for this source, torch, compiler and flags lives."""
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        raise NativeUnavailable("the compiler %s does not run (%s)" % (cxx, error)) from error
+def library_path(root: Path) -> Path:
+    """Where the build for these sources, this torch, this Python and these flags lives. The
+    compiler's version is not part of it: loading then needs no compiler, and a build stays good."""
     key = hashlib.sha256()
     sources = [source.read_bytes() for source in SOURCES]
-    for part in (*sources, torch.__version__.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode()):
+    for part in (*sources, torch.__version__.encode(), " ".join(COMPILE_FLAGS).encode()):
         key.update(hashlib.sha256(part).digest())
     key.update((sysconfig.get_config_var("SOABI") or "").encode())
     return root / ("vlserve_kernels-%s.so" % key.hexdigest()[:16])
 
 
+def _compiler_version(cxx: str) -> str:
+    try:
+        result = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise NativeUnavailable("the compiler %s does not run (%s)" % (cxx, error)) from error
+    return (result.stdout.splitlines() or [cxx])[0]
+
+
+def prune(root: Path, keep: Path) -> list[Path]:
+    """Remove the builds under `root` other than `keep` (a running worker keeps its mapped copy)."""
+    removed = []
+    for path in [*root.glob("vlserve_kernels-*.so"), *root.glob(".*.so.partial")]:
+        if path != keep:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            removed.append(path)
+    return removed
+
+
 def build(root: Path) -> tuple[Path, bool]:
     """The compiled library under `root`, built unless already there: (path, whether built now)."""
-    cxx = compiler()
-    path = library_path(root, cxx)
+    path = library_path(root)
     if path.is_file():
         return path, False
+    cxx = compiler()
+    _compiler_version(cxx)  # a compiler that does not run fails here, in one line
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         lock = (root / ".build.lock").open("w")
@@ -362,24 +384,38 @@ _lock = threading.Lock()
 _outcome: Kernels | None = None  # the process's one outcome: its library is loaded once, for good
 
 
-def load(root: Path | None) -> Kernels:
-    """Build (when missing), load and check the kernels from `root` (None: off); the status line is
-    also logged. The library is process-wide, so later calls return the first call's outcome."""
+def load(root: Path | None, build_missing: bool = True) -> Kernels:
+    """Build (when missing and `build_missing`), load and check the kernels from `root` (None: off); the
+    status line is also logged. The library is process-wide, so later calls return the first
+    call's outcome."""
     global _outcome  # noqa: PLW0603 - the record of what this process loaded, set once
     with _lock:
         if _outcome is None:
-            _outcome = _load(root)
+            _outcome = _load(root, build_missing)
         return _outcome
 
 
-def _load(root: Path | None) -> Kernels:
+def _built(root: Path) -> tuple[Path, bool]:
+    """The library `vlserve kernels` built under `root`, for a worker that must not build it."""
+    path = library_path(root)
+    if path.is_file():
+        return path, False
+    recorded = root / BUILD_RECORD
+    try:
+        said = json.loads(recorded.read_text())["status"]
+    except (OSError, ValueError, KeyError, TypeError):
+        said = "no record in %s" % recorded
+    raise NativeUnavailable("not built for this release and torch (vlserve kernels: %s)" % said)
+
+
+def _load(root: Path | None, build_missing: bool = True) -> Kernels:
     try:
         if root is None:
             raise NativeUnavailable("switched off (native_kernels: off)")
         tier, why = cpu_tier()
         if tier is None:
             raise NativeUnavailable(why)
-        path, built = build(root)
+        path, built = build(root) if build_missing else _built(root)
         torch.ops.load_library(str(path))
         ops = torch.ops.vlserve
         bf16 = tier == "avx512_vnni" and BF16_FLAG in (_cpu_flags() or [])

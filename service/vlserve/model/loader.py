@@ -261,7 +261,7 @@ def _kernels_for(model: ModelSettings, choices: LoadChoices, level: str, load_dt
     if not wanted:
         return native.STOCK_KERNELS
     status("loading vlserve's kernels (built once per host)")
-    return native.load(model.native_kernel_root())
+    return native.load(model.native_kernel_root(), build_missing=model.kernels_build)
 
 
 def _without_int8_products(taken: _Taken, choices: LoadChoices) -> None:

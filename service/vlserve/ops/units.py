@@ -85,6 +85,9 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         "state_dir": str(options["state_dir"]),
         "cache_dir": str(options["cache_dir"]),
         "native_kernels": "%s/kernels" % options["cache_dir"] if options.get("native_kernels", True) else "off",
+        # The deploy role builds them before any worker starts (vlserve kernels); render-units' hosts
+        # have no such step, so their first worker builds them.
+        "kernels_build": not options.get("kernels_prebuilt", False),
         "start_timeout_s": int(options["start_timeout_s"]),
         "image_url_hosts": list(options.get("settings", {}).get("image_url_hosts", [])),
         "settings": settings,
