@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import threading
 import time
 import zipfile
@@ -24,6 +25,7 @@ from harness.playbooks import audit, play, recap
 from harness.releases import build_release
 from sample_images import image_question, png_bytes
 from vlserve.kernels import native
+from vlserve.ops import modellock
 
 REASON = nspawn.available()
 if REASON and os.environ.get("CI"):
@@ -41,6 +43,7 @@ def host_vars(tiny_model, torch_wheel):
     return {
         "vlserve_deploy_model_source": "controller",
         "vlserve_deploy_model_controller_dir": str(tiny_model),
+        "vlserve_deploy_model_lock": modellock.make_lock(tiny_model),  # pinned, as a careful operator deploys
         "vlserve_deploy_torch_source": "wheels",
         "vlserve_deploy_wheels": [torch_wheel],
         "vlserve_deploy_front_port": free_port(),
@@ -379,11 +382,36 @@ def test_every_command_runs_on_the_host_from_the_installed_release(guest, deploy
     guest.ssh("cd / && %s render-units --out /tmp/rendered && test -f /tmp/rendered/etc/vlserve/haproxy.cfg" % vlserve)
 
 
+def test_a_model_file_changed_on_the_controller_stops_the_play_naming_it(guest, workdir, deployed, host_vars, tmp_path):
+    """One byte flipped in the controller's copy: the lock check fails before anything is copied or restarted."""
+    tampered = tmp_path / "model"
+    shutil.copytree(host_vars["vlserve_deploy_model_controller_dir"], tampered)
+    weights = next(tampered.glob("*.safetensors"))
+    body = bytearray(weights.read_bytes())
+    body[len(body) // 2] ^= 1
+    weights.write_bytes(bytes(body))
+    pids = [main_pid(guest, 0), main_pid(guest, 1)]
+    result = play(guest, workdir, "site.yml", **dict(host_vars, vlserve_deploy_model_controller_dir=str(tampered)))
+    assert result.returncode != 0
+    assert "%s/%s does not match the model lock (sha256 " % (tampered, weights.name) in result.stdout
+    assert [main_pid(guest, 0), main_pid(guest, 1)] == pids
+    lock = json.dumps(host_vars["vlserve_deploy_model_lock"])
+    verified = guest.ssh(
+        "echo '%s' | /opt/vlserve/current/venv/bin/vlserve model verify /var/lib/vlserve/model --lock -" % lock
+    )
+    assert "matches the model lock" in verified.stdout
+
+
 def test_a_missing_model_fails_the_unit_fast_and_the_play_says_why(guest, workdir, deployed, host_vars, tmp_path):
     empty = tmp_path / "no-model"
     empty.mkdir()
     (empty / "README").write_text("not a checkpoint\n")
-    broken = dict(host_vars, vlserve_deploy_model_controller_dir=str(empty), vlserve_deploy_model_dir="/srv/no-model")
+    broken = dict(
+        host_vars,
+        vlserve_deploy_model_controller_dir=str(empty),
+        vlserve_deploy_model_dir="/srv/no-model",
+        vlserve_deploy_model_lock={},  # unpinned: the worker itself finds the fault
+    )
     started = time.monotonic()
     result = play(guest, workdir, "site.yml", **broken)
     assert result.returncode != 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import hashlib
 import importlib.metadata
@@ -199,14 +200,18 @@ def _run(venv: pathlib.Path, cwd: pathlib.Path, *args: str, timeout: float = 600
     return result
 
 
+def _handler_module(parser) -> str:
+    """The module of a command's handler (of its first action's, for a command with actions)."""
+    if parser.get_default("handler") is not None:
+        return parser.get_default("handler").__module__
+    (actions,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return _handler_module(next(iter(actions.choices.values())))
+
+
 def _commands_of(groups) -> set[str]:
     parser = build_parser()
     (commands,) = [a for a in parser._actions if a.dest == "command"]
-    return {
-        name
-        for name, sub in commands.choices.items()
-        if any(sub.get_default("handler").__module__ == g.__name__ for g in groups)
-    }
+    return {name for name, sub in commands.choices.items() if _handler_module(sub) in {g.__name__ for g in groups}}
 
 
 def _fresh_venv(path: pathlib.Path, *install: str) -> pathlib.Path:
