@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -231,3 +233,28 @@ def test_the_key_names_the_code_that_wrote_the_file(monkeypatch, tmp_path):
     weightcache.code_digest.cache_clear()
     assert weightcache.code_digest() != before
     weightcache.code_digest.cache_clear()
+
+
+def test_workers_starting_together_on_a_cold_cache_round_once(checkpoint, tmp_path):
+    """Two processes load one level into one empty cache at once: one rounds and writes, the other
+    waits for its file (or finds it) and maps it."""
+    script = (
+        "import logging, pathlib, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "from vlserve.model.loader import load_model\n"
+        "from vlserve.settings import LimitSettings, ModelSettings\n"
+        "settings = ModelSettings(model=sys.argv[1], dtype='bfloat16', quantize='int8', weight_cache=sys.argv[2])\n"
+        "load_model(settings, LimitSettings(), status=lambda message: None)\n"
+    )
+    cache = tmp_path / "cache"
+    runs = [
+        subprocess.Popen([sys.executable, "-c", script, str(checkpoint), str(cache)], stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    logs = [run.communicate(timeout=600)[1] for run in runs]
+    assert all(run.returncode == 0 for run in runs), logs
+    wrote = [log for log in logs if "weight cache: wrote" in log]
+    assert len(wrote) == 1, logs
+    (other,) = [log for log in logs if log not in wrote]
+    assert "weight cache: mapping" in other and "weight cache: wrote" not in other
+    assert [p.name for p in cache.glob("*.safetensors")] and not list(cache.glob("*.partial"))

@@ -190,35 +190,39 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     rounds = level != "none" or taken.vision_dtype == "int8"
     cache = WeightCache(root, path, level, kernels) if root is not None and rounds else None
     prepared = cache.open() if cache is not None else PreparedWeights()
-    # The residual streams' outlier channels, which rounded layers keep exact: found on the exact model
-    # (one pass over a generated picture) before anything is rounded, or taken from the weight cache.
-    channels = None
-    if rounds:
-        status("finding the outlier channels (once per weight cache)")
-        channels = outliers.channels_for(network, processor, prepared)
-    if level != "none":
-        _quantized(
-            network,
-            taken,
-            choices=choices,
-            level=level,
-            prepared=prepared,
-            channels=channels,
-            load_dtype=load_dtype,
-            status=status,
-        )
-    else:
-        _exact(
-            network,
-            taken,
-            choices=choices,
-            prepared=prepared,
-            channels=channels,
-            load_dtype=load_dtype,
-            status=status,
-        )
-    if cache is not None:
-        cache.write(prepared)  # only when something was rounded here
+    try:
+        # The residual streams' outlier channels, which rounded layers keep exact: found on the exact model
+        # (one pass over a generated picture) before anything is rounded, or taken from the weight cache.
+        channels = None
+        if rounds:
+            status("finding the outlier channels (once per weight cache)")
+            channels = outliers.channels_for(network, processor, prepared)
+        if level != "none":
+            _quantized(
+                network,
+                taken,
+                choices=choices,
+                level=level,
+                prepared=prepared,
+                channels=channels,
+                load_dtype=load_dtype,
+                status=status,
+            )
+        else:
+            _exact(
+                network,
+                taken,
+                choices=choices,
+                prepared=prepared,
+                channels=channels,
+                load_dtype=load_dtype,
+                status=status,
+            )
+        if cache is not None:
+            cache.write(prepared)  # only when something was rounded here
+    finally:
+        if cache is not None:
+            cache.release()  # the lock open() took to round, if a failure came before write()
     tokenizer = processor.tokenizer
     eos = network.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}

@@ -20,6 +20,7 @@ holds tensors only (no pickled code), and the directory belongs to the service's
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -148,21 +149,50 @@ class WeightCache:
         variant = "-".join([level, *layouts])
         self.path = root / ("%s-%s-%s.safetensors" % (model_dir.resolve().name, place, variant))
         self.key = cache_key(model_dir, level, kernels)
+        self._lock = None  # the open lock file while this process rounds the weights (open() to write())
 
     def open(self) -> PreparedWeights:
-        """The cached weights when the file's key is this one; else an empty set, with the reason logged."""
+        """The cached weights when the file's key is this one. Else an empty set to round into, and this
+        process holds the file's lock until `write`: workers starting together on a cold cache round
+        once, the others wait for that file and map it."""
+        found = self._read(quiet=False)
+        if found is not None:
+            return found
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._lock = (self.path.parent / (".%s.lock" % self.path.name)).open("w")
+        except OSError as error:  # an unwritable cache: round here, write nothing (write() says so)
+            log.warning("weight cache: cannot lock %s (%s)", self.path, error)
+            return PreparedWeights()
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("weight cache: another worker is rounding %s: waiting for its file", self.path.name)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        found = self._read(quiet=True)  # written by the worker this one waited for
+        if found is not None:
+            self.release()
+            return found
+        return PreparedWeights()
+
+    def _read(self, quiet: bool) -> PreparedWeights | None:
+        """The file's weights when its key is this one, else None (the reason logged unless `quiet`)."""
         from safetensors import safe_open  # noqa: PLC0415 - a transformers dependency, loaded with it
 
+        say = (lambda *args: None) if quiet else log.info
         if not self.path.is_file():
-            log.info("weight cache: no %s yet: rounding the weights, then writing it", self.path)
-            return PreparedWeights()
+            say("weight cache: no %s yet: rounding the weights, then writing it", self.path)
+            return None
         try:
             with safe_open(str(self.path), framework="pt") as file:
                 stored = json.loads((file.metadata() or {}).get(KEY_FIELD, "null"))
                 if stored != self.key:
-                    why = _differs(stored, self.key)
-                    log.info("weight cache: %s is stale or foreign (%s): rebuilding it", self.path, why)
-                    return PreparedWeights()
+                    say(
+                        "weight cache: %s is stale or foreign (%s): rebuilding it",
+                        self.path,
+                        _differs(stored, self.key),
+                    )
+                    return None
                 found: dict[str, dict[str, torch.Tensor]] = {}
                 for name in file.keys():  # noqa: SIM118 - safe_open is not a mapping
                     if name.startswith(PADDING):
@@ -171,12 +201,25 @@ class WeightCache:
                     found.setdefault(layer, {})[field] = file.get_tensor(name)  # a view of the file's map
         except Exception as error:  # noqa: BLE001 - safetensors raises its own and OSError; any means rebuild
             log.warning("weight cache: %s is unreadable (%s): rebuilding it", self.path, error)
-            return PreparedWeights()
+            return None
         log.info("weight cache: mapping %d layers from %s", len(found), self.path)
         return PreparedWeights(found)
 
+    def release(self) -> None:
+        """Drop the lock `open` took to round (write does; a failed load does it here)."""
+        if self._lock is not None:
+            self._lock.close()  # closing the descriptor drops the lock (a crash drops it too)
+            self._lock = None
+
     def write(self, prepared: PreparedWeights) -> bool:
-        """Write a new file when anything was rounded here; False (logged) when it cannot be written."""
+        """Write a new file when anything was rounded here; False (logged) when it cannot be written.
+        Releases the lock `open` took either way."""
+        try:
+            return self._write(prepared)
+        finally:
+            self.release()
+
+    def _write(self, prepared: PreparedWeights) -> bool:
         if not prepared.made:
             return False
         temporary = None
