@@ -50,7 +50,28 @@ def host_vars(tiny_model, torch_wheel):
         "vlserve_facts_base_port": free_port(),
         "vlserve_facts_min_threads_per_worker": 1,  # two workers on any host of two cores or more
         "vlserve_facts_max_workers": 2,
+        "vlserve_deploy_releases_kept": 2,
     }
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory) -> dict:
+    """Two more releases of this checkout, as two later commits would make them."""
+    return {name: build_release(tmp_path_factory.mktemp(name), marker=name) for name in ("second", "third")}
+
+
+def release_name(release: dict) -> str:
+    return "%s-%s" % (release["version"], release["sha256"][:12])
+
+
+def int8_vars(host_vars, releases) -> dict:
+    """The second release at int8, as an 8 GB laptop's plan would quantize."""
+    return dict(
+        host_vars,
+        vlserve_facts_quantize="int8",
+        vlserve_deploy_settings={"max_pixels": 40000},
+        vlserve_deploy_release_wheel=releases["second"]["path"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -260,15 +281,17 @@ def test_a_killed_worker_is_restarted_and_the_front_routes_around_it(guest, depl
     assert len(failures) <= 1, failures  # at most the one request inside the killed worker
 
 
-def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request(guest, workdir, deployed, host_vars):
-    """int8 on a host that ran exact, as an 8 GB laptop's plan would: each worker comes back with the
-    int8 kernel (the compiler installed, the kernels built by the deploy's step before any worker
-    restarted, loaded by both) and its weights rounded into the cache directory, and the other
+def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request(
+    guest, workdir, deployed, host_vars, releases
+):
+    """int8 and a new release on a host that ran exact: each worker comes back on the new release
+    with the int8 kernel (the compiler installed, the kernels built by the deploy's step before any
+    worker restarted, loaded by both) and its weights rounded into the cache directory, and the other
     worker answers meanwhile."""
     pids = [main_pid(guest, 0), main_pid(guest, 1)]
     client = Client(host_vars)
     client.start()
-    changed = dict(host_vars, vlserve_facts_quantize="int8", vlserve_deploy_settings={"max_pixels": 40000})
+    changed = int8_vars(host_vars, releases)
     result = play(guest, workdir, "site.yml", **changed)
     outcomes = client.stop()
     assert result.returncode == 0, result.stdout[-4000:]
@@ -276,6 +299,10 @@ def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request
     assert all(pid not in pids and pid != "0" for pid in (main_pid(guest, 0), main_pid(guest, 1)))
     assert outcomes and all(o == 200 for o in outcomes), [o for o in outcomes if o != 200]
     assert "VLSERVE_MAX_PIXELS=40000" in guest.ssh("cat /etc/vlserve/vlserve.env").stdout
+    assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + release_name(releases["second"])
+    for index in (0, 1):  # the workers run it: the script's interpreter is the release's own
+        command = guest.ssh("tr '\\0' ' ' < /proc/%s/cmdline" % main_pid(guest, index)).stdout
+        assert "releases/%s/venv/bin/python" % release_name(releases["second"]) in command, command
     plan = audit(guest, workdir, **changed)["plan"]
     for worker in plan["worker_list"]:
         info = httpx.get("http://127.0.0.1:%d/readyz" % worker["port"], timeout=10).json()
@@ -296,10 +323,12 @@ def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request
 
 
 @pytest.mark.skipif(native.cpu_tier()[0] is None, reason="this CPU runs none of vlserve's kernels: nothing to fail")
-def test_a_host_whose_kernels_cannot_be_built_fails_unless_the_fallback_is_allowed(guest, workdir, deployed, host_vars):
+def test_a_host_whose_kernels_cannot_be_built_fails_unless_the_fallback_is_allowed(
+    guest, workdir, deployed, host_vars, releases
+):
     """The int8 plan of the test before, its compiler gone and its builds removed: the play stops at the
     kernels' step naming the cause, before any worker restarts; allowed, it warns; repaired, it builds."""
-    int8 = dict(host_vars, vlserve_facts_quantize="int8", vlserve_deploy_settings={"max_pixels": 40000})
+    int8 = int8_vars(host_vars, releases)
     pids = [main_pid(guest, 0), main_pid(guest, 1)]
     guest.ssh("for c in c++ g++; do mv /usr/bin/$c /usr/bin/$c.away; done; rm /var/cache/vlserve/kernels/*.so")
     try:
@@ -330,40 +359,34 @@ def _broken_copy(release: dict, directory: pathlib.Path) -> str:
     return str(target)
 
 
-def test_releases_switch_only_once_installed_and_the_oldest_are_pruned(guest, workdir, deployed, host_vars, tmp_path):
-    """Two kept: after a broken release (refused, the current one serving on) and two good ones, the
-    host holds the last two, runs the newest, and keeps one dependencies' virtualenv for all."""
-    kept = dict(host_vars, vlserve_deploy_releases_kept=2)
-    first = guest.ssh("readlink /opt/vlserve/current").stdout.strip()
-    second, third = (build_release(tmp_path / name, marker=name) for name in ("second", "third"))
-    broken_dir = tmp_path / "broken"
-    broken_dir.mkdir()
+@pytest.mark.usefixtures("deployed")
+def test_releases_switch_only_once_installed_and_the_oldest_are_pruned(guest, workdir, host_vars, releases, tmp_path):
+    """Two kept: the first release, the second (the int8 test's), a broken third (refused, the second
+    serving on) and the good third: the host holds the last two, runs the newest, and keeps one
+    dependencies' virtualenv for all of them."""
+    second, third = releases["second"], releases["third"]
+    assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + release_name(second)
     client = Client(host_vars)
     client.start()
-    refused = play(guest, workdir, "site.yml", **kept, vlserve_deploy_release_wheel=_broken_copy(second, broken_dir))
+    broken = dict(host_vars, vlserve_deploy_release_wheel=_broken_copy(third, tmp_path))
+    refused = play(guest, workdir, "site.yml", **broken)
     outcomes = client.stop()
     assert refused.returncode != 0
-    assert (
-        "did not install (Install the wheel" in refused.stdout and "the current release keeps serving" in refused.stdout
-    )
-    assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == first
+    assert "did not install (Install the wheel" in refused.stdout, refused.stdout[-3000:]
+    assert "the current release keeps serving" in refused.stdout
+    assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + release_name(second)
     assert outcomes and all(o == 200 for o in outcomes), [o for o in outcomes if o != 200]
-    for release in (second, third):
-        result = play(guest, workdir, "site.yml", **kept, vlserve_deploy_release_wheel=release["path"])
-        assert result.returncode == 0, result.stdout[-4000:]
-        name = "%s-%s" % (release["version"], release["sha256"][:12])
-        assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + name
-        assert (
-            guest.ssh("/opt/vlserve/current/venv/bin/vlserve --version").stdout.strip()
-            == "vlserve " + release["version"]
-        )
+    result = play(guest, workdir, "site.yml", **dict(host_vars, vlserve_deploy_release_wheel=third["path"]))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + release_name(third)
+    installed = guest.ssh("/opt/vlserve/current/venv/bin/vlserve --version").stdout.strip()
+    assert installed == "vlserve " + third["version"]
     held = guest.ssh("ls /opt/vlserve/releases").stdout.split()
-    assert held == sorted("%s-%s" % (r["version"], r["sha256"][:12]) for r in (second, third)), held
+    assert sorted(held) == sorted(release_name(r) for r in (second, third)), held
     assert len(guest.ssh("ls /opt/vlserve/deps").stdout.split()) == 1
-    # The workers run the current release: the script's interpreter is its own virtualenv's.
     for index in (0, 1):
         command = guest.ssh("tr '\\0' ' ' < /proc/%s/cmdline" % main_pid(guest, index)).stdout
-        assert "releases/%s-%s/venv/bin/python" % (third["version"], third["sha256"][:12]) in command, command
+        assert "releases/%s/venv/bin/python" % release_name(third) in command, command
     assert ask(host_vars).status_code == 200
 
 
