@@ -13,12 +13,15 @@ import copy
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from harness import nspawn
 from harness.host import RELEASES
 from harness.playbooks import audit, play, recap
+from harness.releases import checkout_release
 
 REASON = nspawn.available()
 if REASON and os.environ.get("CI"):
@@ -196,3 +199,50 @@ def test_a_host_running_tuned_gets_a_child_profile_instead_of_sysctl_d(guest, wo
     assert "Managed by Ansible (vlserve toolkit)" in profile.splitlines()[1]
     assert guest.ssh("cat /etc/tuned/active_profile").stdout.strip() == "vlserve"
     assert guest.ssh("test -e /etc/sysctl.d/90-vlserve.conf", check=False).returncode != 0
+
+
+def test_the_bare_release_installs_and_runs_on_this_releases_python(guest, tmp_path):
+    """The release wheel with its base dependencies, installed from files alone into a venv of the
+    host's own Python (Debian 12's 3.11, 13's 3.13): the planner and the renderers run, and --help
+    lists nothing that needs the service's stack."""
+    release = checkout_release(tmp_path / "release")
+    version = guest.ssh("python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])'").stdout.strip()
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--only-binary=:all:",
+            "--python-version",
+            version,
+            "--platform",
+            "manylinux2014_x86_64",
+            "--implementation",
+            "cp",
+            "--dest",
+            str(wheels),
+            release["path"],
+            "pip",
+        ],
+        check=True,
+        timeout=600,
+    )
+    guest.put(*sorted(wheels.iterdir()), to="/tmp/wheels")
+    guest.ssh(
+        "python3 -m venv --without-pip /tmp/bare && /tmp/bare/bin/python /tmp/wheels/pip-*.whl/pip install -q "
+        "--disable-pip-version-check --no-index --find-links /tmp/wheels vlserve"
+    )
+    listed = guest.ssh("cd / && /tmp/bare/bin/vlserve --help").stdout
+    commands = {
+        line.split()[0]
+        for line in listed.split("COMMAND\n", 1)[1].split("\noptions:", 1)[0].splitlines()
+        if re.match(r"^    \S", line)
+    }
+    assert commands == {"probe", "plan", "render-units", "render-fleet", "model"}, commands
+    assert guest.ssh("/tmp/bare/bin/vlserve --version").stdout.strip() == "vlserve " + release["version"]
+    guest.ssh("cd / && /tmp/bare/bin/vlserve plan --json > /dev/null")
+    guest.ssh("cd / && /tmp/bare/bin/vlserve render-units --out /tmp/rendered")
+    guest.ssh("test -f /tmp/rendered/etc/systemd/system/vlserve@.service")

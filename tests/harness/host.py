@@ -70,6 +70,25 @@ class SshHost:
             raise RuntimeError("%s failed (%d): %s%s" % (command, result.returncode, result.stdout, result.stderr))
         return result
 
+    def put(self, *local: pathlib.Path, to: str) -> None:
+        """Copy local files into the host's directory `to` (made if missing)."""
+        self.ssh("mkdir -p %s" % to)
+        subprocess.run(
+            [
+                "scp",
+                "-q",
+                "-i",
+                str(self.key),
+                "-P",
+                str(self.port),
+                *SSH_OPTIONS,
+                *map(str, local),
+                "root@%s:%s/" % (self.address, to),
+            ],
+            check=True,
+            timeout=300,
+        )
+
     def inventory(self, directory: pathlib.Path, **host_vars) -> pathlib.Path:
         return write_inventory(directory, self, **host_vars)
 

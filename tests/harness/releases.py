@@ -13,6 +13,17 @@ from conftest import REPO
 INPUTS = ("service", "templates", "roles/vlserve_deploy/defaults", "roles/vlserve_front/defaults", "scripts/release")
 
 
+def checkout_release(directory: pathlib.Path) -> dict:
+    """scripts/release's description of this checkout's wheel, built into `directory`."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "release"), "--out", str(directory)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(result.stdout)
+
+
 def build_release(directory: pathlib.Path, marker: str | None = None) -> dict:
     """scripts/release's description of a wheel built from a copy of this checkout, with `marker`
     appended as a comment to one module: another release, as a new commit would make."""
