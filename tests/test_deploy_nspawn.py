@@ -340,9 +340,8 @@ def test_a_host_whose_kernels_cannot_be_built_fails_unless_the_fallback_is_allow
         assert "vlserve_deploy_kernels_fallback_ok" in refused.stdout
         allowed = play(guest, workdir, "playbooks/deploy.yml", **int8, vlserve_deploy_kernels_fallback_ok=True)
         assert allowed.returncode == 0, allowed.stdout[-4000:]
-        assert "the workers run torch's kernels (stock kernels: no C++ compiler" in allowed.stdout, allowed.stdout[
-            -3000:
-        ]
+        said = " ".join(allowed.stdout.split())  # the callback may wrap a long message
+        assert "so the workers decode on the stock kernels (stock kernels: no C++ compiler" in said, said[-3000:]
     finally:
         guest.ssh("for c in c++ g++; do mv /usr/bin/$c.away /usr/bin/$c; done")
     assert [main_pid(guest, 0), main_pid(guest, 1)] == pids  # nothing restarted on a build that failed
