@@ -83,7 +83,7 @@ def test_a_commit_outside_what_ships_builds_the_same_wheel_and_one_inside_a_new_
             shutil.copy2(source, clone / name)
     git = ["git", "-C", str(clone), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-a", "-m"]
     subprocess.run(["git", "-C", str(clone), "add", "-A"], check=True)
-    subprocess.run([*git, "this checkout"], check=True)
+    subprocess.run([*git[:-1], "--allow-empty", "-m", "this checkout"], check=True)  # a clean checkout: nothing differs
     first = release("--out", str(tmp_path / "a"), repo=clone)
     (clone / "README.md").write_text((clone / "README.md").read_text() + "\nmore docs\n")
     subprocess.run([*git, "docs"], check=True)
