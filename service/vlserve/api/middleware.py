@@ -6,6 +6,7 @@ from fastapi import Request
 
 from vlserve.api.errors import APIError, error_response
 from vlserve.runtime.metrics import Metrics
+from vlserve.sizing.contract import CLIENT_HEADER
 
 
 class _BodyTooLarge(Exception):
@@ -66,13 +67,15 @@ def outcome(status: int) -> str:
 
 
 def request_counter(metrics: Metrics):
-    """Count every /v1/ request by its route and outcome."""
+    """Count every /v1/ request by its route and outcome, and by the API client the front named."""
 
     async def count_requests(request: Request, call_next):
+        request.state.client = metrics.client_label(request.headers.get(CLIENT_HEADER))
         response = await call_next(request)
         endpoint = getattr(request.scope.get("route"), "path", "unmatched")
         if endpoint.startswith("/v1/"):
             metrics.requests.labels(endpoint, outcome(response.status_code)).inc()
+            metrics.client_requests.labels(request.state.client, outcome(response.status_code)).inc()
         return response
 
     return count_requests

@@ -73,6 +73,7 @@ class UsageInfo(BaseModel):
     images: int = 0
     images_from_cache: int = 0
     answer_from_cache: bool = False
+    image_tokens: int = 0
 
 
 class AssistantMessage(BaseModel):

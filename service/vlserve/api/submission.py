@@ -33,8 +33,8 @@ def usage_info(usage: Usage) -> UsageInfo:
 class QueueSink:
     """Engine sink that hands events to an asyncio queue, from whatever thread calls it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_usage: Callable[[Usage], None]):
+        self.loop, self.on_usage = loop, on_usage
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     def _put(self, item: tuple[str, Any]) -> None:
@@ -44,6 +44,7 @@ class QueueSink:
         self._put(("text", text))
 
     def on_finish(self, reason: str, usage: Usage) -> None:
+        self.on_usage(usage)
         self._put(("finish", (reason, usage)))
 
     def on_error(self, error: EngineError) -> None:
@@ -113,8 +114,10 @@ class Submitter:
         seed: int | None = None,
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
+        client: str,
     ) -> Generation:
-        """Submit with the engine's sampling defaults where the request gives none."""
+        """Submit with the engine's sampling defaults where the request gives none; the tokens count
+        for `client` (a usage label: Metrics.client_label)."""
         defaults = self.engine.sampling_defaults()
         params = SamplingParams(
             max_tokens=self.engine.resolve_max_tokens(prompt, max_tokens),
@@ -124,5 +127,6 @@ class Submitter:
             stop=stop,
             ignore_eos=ignore_eos,
         )
-        sink = QueueSink(asyncio.get_running_loop())
+        metrics = self.engine.metrics
+        sink = QueueSink(asyncio.get_running_loop(), lambda usage: metrics.count_usage(client, usage))
         return Generation(self.engine.submit(prompt, params, sink), sink)

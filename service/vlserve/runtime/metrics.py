@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import re
+import threading
 from typing import Any
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import generate_latest
 
+from vlserve.sizing.contract import CLIENT_NAME
+
 # Seconds: from a cached answer (~1 ms) to a long generation on a slow CPU (minutes).
 LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
+# Usage per API client: the names come from the front (the key set's, a bounded list); a worker
+# still keeps at most this many labels, whatever reaches it, and counts the rest as "other".
+MAX_CLIENT_LABELS = 64
+NO_CLIENT = "none"  # a request that came with no client name (straight to the worker, or an open front)
+OTHER_CLIENTS = "other"
 
 
 class Metrics:
@@ -78,12 +87,51 @@ class Metrics:
         for cache in ("result", "vision"):
             self.cache_hits.labels(cache)
             self.cache_misses.labels(cache)
+        self.client_requests = Counter(
+            "vlserve_client_requests", "Requests per API client and outcome", ["client", "outcome"], registry=registry
+        )
+        self.client_prompt_tokens = Counter(
+            "vlserve_client_prompt_tokens",
+            "Prompt tokens per API client (image tokens included)",
+            ["client"],
+            registry=registry,
+        )
+        self.client_image_tokens = Counter(
+            "vlserve_client_image_tokens",
+            "Prompt tokens that stand for images, per API client",
+            ["client"],
+            registry=registry,
+        )
+        self.client_completion_tokens = Counter(
+            "vlserve_client_completion_tokens", "Completion tokens per API client", ["client"], registry=registry
+        )
+        self._client_labels: set[str] = set()
+        self._client_lock = threading.Lock()
 
     def bind_engine(self, engine: Any) -> None:
         self.ready.set_function(lambda: 1.0 if engine.ready else 0.0)
 
     def cache_lookup(self, cache: str, hit: bool) -> None:
         (self.cache_hits if hit else self.cache_misses).labels(cache).inc()
+
+    def client_label(self, name: str | None) -> str:
+        """The label a client name is counted under: itself while labels stay bounded."""
+        if not name:
+            return NO_CLIENT
+        if not re.match(CLIENT_NAME, name):
+            return OTHER_CLIENTS
+        with self._client_lock:
+            if name not in self._client_labels:
+                if len(self._client_labels) >= MAX_CLIENT_LABELS:
+                    return OTHER_CLIENTS
+                self._client_labels.add(name)
+        return name
+
+    def count_usage(self, client: str, usage: Any) -> None:
+        """One finished request's tokens, for its client (a label from client_label)."""
+        self.client_prompt_tokens.labels(client).inc(usage.prompt_tokens)
+        self.client_image_tokens.labels(client).inc(usage.image_tokens)
+        self.client_completion_tokens.labels(client).inc(usage.completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

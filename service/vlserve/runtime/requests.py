@@ -25,6 +25,11 @@ class Prompt:
     def tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def image_tokens(self) -> int:
+        """Prompt tokens that stand for image patches (what the vision encoder made)."""
+        return int((self.mm_token_type_ids != 0).sum())
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -33,6 +38,7 @@ class Usage:
     images: int = 0
     images_from_cache: int = 0  # whose vision features came from the vision cache
     answer_from_cache: bool = False  # the whole answer came from the result cache
+    image_tokens: int = 0  # of prompt_tokens, those that stand for images
 
     @property
     def total_tokens(self) -> int:

@@ -76,7 +76,10 @@ class OutputStream:
         if seq.use_result_cache:
             self.result_cache.put(result_key(seq), (seq.text, reason, completion))
         images = len(seq.prompt.image_keys)
-        seq.sink.on_finish(reason, Usage(seq.prompt.tokens, completion, images, seq.images_from_cache))
+        usage = Usage(
+            seq.prompt.tokens, completion, images, seq.images_from_cache, image_tokens=seq.prompt.image_tokens
+        )
+        seq.sink.on_finish(reason, usage)
 
 
 def answer_from_cache(seq: Sequence, result_cache: LRUCache, metrics: Metrics) -> bool:
@@ -88,7 +91,8 @@ def answer_from_cache(seq: Sequence, result_cache: LRUCache, metrics: Metrics) -
     text, reason, completion = cached
     seq.sink.on_text(text)
     images = len(seq.prompt.image_keys)
-    seq.sink.on_finish(reason, Usage(seq.prompt.tokens, completion, images, answer_from_cache=True))
+    usage = Usage(seq.prompt.tokens, completion, images, answer_from_cache=True, image_tokens=seq.prompt.image_tokens)
+    seq.sink.on_finish(reason, usage)
     seq.done = True
     return True
 

@@ -18,6 +18,11 @@ FLOAT_DTYPES = ("bfloat16", "float32")  # the model's dtype (and the vision towe
 # Every setting of a worker is an environment variable with this prefix (the units' environment files).
 ENV_PREFIX = "VLSERVE_"
 
+# The API client a request came from, by its name in the key set: the front sets this header itself
+# (dropping any copy the client sent) and the workers label their usage metrics with it.
+CLIENT_HEADER = "X-Vlserve-Client"
+CLIENT_NAME = r"^[a-z0-9][a-z0-9_.-]{0,47}$"
+
 # How /readyz, /status and the benchmarks say which kernels serve the products: vlserve's own, at an
 # ISA tier, or torch's with the reason.
 KERNELS_OWN = "vlserve's kernels for "

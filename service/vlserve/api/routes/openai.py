@@ -54,6 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, submit
         seed=body.seed,
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
+        client=request.state.client,
     )
     model_name = submitter.settings.server.served_model_name
     if not body.stream:
