@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import sys
 
@@ -11,20 +10,16 @@ _PACKAGE = _REPO / "service" / "vlserve"
 
 
 def _load(name: str):
-    """A module (or subpackage) of the vlserve package by its path below it ("ops/units"), so the
-    controller needs nothing installed."""
-    qualified = "vlserve_for_filters_" + name.replace("/", "_")
-    if qualified not in sys.modules:
-        package = _PACKAGE / name
-        if package.is_dir():  # its relative imports resolve below the qualified name
-            spec = importlib.util.spec_from_file_location(
-                qualified, package / "__init__.py", submodule_search_locations=[str(package)]
-            )
-        else:
-            spec = importlib.util.spec_from_file_location(qualified, _PACKAGE / (name + ".py"))
-        sys.modules[qualified] = importlib.util.module_from_spec(spec)  # dataclasses look their module up here
-        spec.loader.exec_module(sys.modules[qualified])
-    return sys.modules[qualified]
+    """A module (or subpackage) of the checkout's vlserve package by its path below it ("ops/units").
+
+    The roles run from a checkout, so its own package is what they render with: its directory goes
+    first on the path (the controller needs nothing installed, and an installed release of another
+    version does not stand in for it)."""
+    import importlib  # noqa: PLC0415
+
+    if str(_PACKAGE.parent) not in sys.path:
+        sys.path.insert(0, str(_PACKAGE.parent))
+    return importlib.import_module("vlserve." + name.replace("/", "."))
 
 
 def _tree_digest(paths: list[str], contents: bool = True) -> str:
@@ -48,6 +43,15 @@ def _tree_digest(paths: list[str], contents: bool = True) -> str:
     return digest.hexdigest()
 
 
+def _clients_problem(entries, source: str = "clients") -> str:
+    clients = _load("ops/clients")
+    try:
+        clients.parse_clients(entries, source)
+    except clients.ClientsError as error:
+        return str(error)
+    return ""
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -58,6 +62,10 @@ class FilterModule:
             # the service hosts of a group + hostvars -> the fleet front's servers, then its template context
             "vlserve_fleet_backends": lambda hosts, hostvars: _load("ops/units").fleet_backends(hosts, hostvars),
             "vlserve_fleet_context": _load("ops/units").fleet_context,
+            # the API's client list -> '' or one line naming the client and its fault (never its key)
+            "vlserve_clients_problem": _clients_problem,
+            # a front's context -> '' or why it may not listen where it is told to (no TLS or keys)
+            "vlserve_exposure_problem": lambda front: _load("ops/units").exposure_problem(front) or "",
             # files and directories on the controller -> one sha256 of their contents (the rollout's fingerprint)
             "vlserve_tree_digest": _tree_digest,
             # every host's audit report -> the fleet's summary, and its table

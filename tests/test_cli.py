@@ -82,7 +82,9 @@ def test_unknown_policy_is_refused_by_the_parser():
 
 def test_render_units_writes_every_destination_once_from_the_plan(tmp_path):
     facts = TOPOLOGIES / "xeon-gold-6248r-2s.json"
-    result = run_tool("vlserve", "render-units", "--out", str(tmp_path), "--facts", str(facts))
+    result = run_tool(
+        "vlserve", "render-units", "--out", str(tmp_path), "--facts", str(facts), "--front-bind", "127.0.0.1"
+    )
     assert result.returncode == 0, result.stderr
     plan = json.loads(run_tool("vlserve", "plan", "--json", "--facts", str(facts)).stdout)
     written = {"/" + str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
@@ -145,8 +147,9 @@ def test_the_published_facts_schema_is_the_one_the_planner_checks():
 
 def test_render_fleet_writes_the_fleet_front_from_the_same_templates(tmp_path):
     result = vlserve(
-        "render-fleet", "--out", str(tmp_path), "--backend", "a=127.0.1.1:8100:2", "--backend", "b=127.0.1.2:8101"
-    )
+        "render-fleet", "--out", str(tmp_path), "--backend", "a=127.0.1.1:8100:2", "--backend", "b=127.0.1.2:8101",
+        "--bind", "127.0.0.1",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     written = {"/" + str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     expected = set(units.FLEET_FILES.values()) | {units.ERROR_PAGE_FILE.format(status=s) for s in units.ERROR_PAGES}
@@ -162,11 +165,15 @@ def test_render_fleet_writes_the_fleet_front_from_the_same_templates(tmp_path):
 def test_fleet_backends_come_from_the_inventory_and_the_plans():
     hostvars = {
         "one": {"ansible_host": "10.0.0.1", "vlserve_plan": {"workers": {"count": 3}}},
-        "two": {"vlserve_deploy_front_bind": "127.0.1.2", "vlserve_deploy_front_port": 8200},
+        "two": {
+            "vlserve_deploy_front_bind": "127.0.1.2",
+            "vlserve_deploy_front_port": 8200,
+            "vlserve_deploy_front_tls": "false",
+        },
         "three": {"vlserve_fleet_address": "lb-side.example", "vlserve_plan": {"workers": {"count": 999}}},
     }
     assert units.fleet_backends(["one", "two", "three"], hostvars) == [
-        {"name": "one", "address": "10.0.0.1", "port": 8100, "weight": 3},
-        {"name": "two", "address": "127.0.1.2", "port": 8200, "weight": 1},
-        {"name": "three", "address": "lb-side.example", "port": 8100, "weight": 256},
+        {"name": "one", "address": "10.0.0.1", "port": 8100, "tls": True, "weight": 3},
+        {"name": "two", "address": "127.0.1.2", "port": 8200, "tls": False, "weight": 1},
+        {"name": "three", "address": "lb-side.example", "port": 8100, "tls": True, "weight": 256},
     ]

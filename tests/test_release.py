@@ -227,7 +227,9 @@ def test_the_bare_wheel_lists_and_runs_only_what_needs_no_service_stack(wheel, t
     assert _listed_commands(venv, tmp_path) == _commands_of(BARE_GROUPS)
     facts = str(TOPOLOGIES / "xeon-avx512bf16-2vcpu-vm.json")
     _run(venv, tmp_path, "plan", "--facts", facts)
-    _run(venv, tmp_path, "render-units", "--out", str(tmp_path / "units"), "--facts", facts)
+    _run(
+        venv, tmp_path, "render-units", "--out", str(tmp_path / "units"), "--facts", facts, "--front-bind", "127.0.0.1"
+    )
     assert (tmp_path / "units" / "etc" / "systemd" / "system" / "vlserve@.service").is_file()
 
 
@@ -277,4 +279,6 @@ def test_every_command_runs_from_the_installed_wheel_outside_the_checkout(wheel,
     )
     assert json.loads((tmp_path / "d.json").read_text())
     facts = str(TOPOLOGIES / "xeon-avx512bf16-2vcpu-vm.json")
-    _run(venv, tmp_path, "render-units", "--out", str(tmp_path / "units"), "--facts", facts)
+    _run(
+        venv, tmp_path, "render-units", "--out", str(tmp_path / "units"), "--facts", facts, "--front-bind", "127.0.0.1"
+    )

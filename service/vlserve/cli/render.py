@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -32,17 +33,49 @@ def _role_defaults(path: pathlib.Path, prefix: str) -> dict:
     return {k[len(prefix) :]: v for k, v in yaml.safe_load(path.read_text()).items()}
 
 
-def _write_tree(out: str, files: dict[str, str]) -> None:
+def _write_tree(out: str, files: dict[str, str], private: set[str]) -> None:
+    """The files under `out`; those in `private` (keys' digests, the TLS key) 0640, never readable by
+    others, as the roles write them (where this runs as root, chgrp them to haproxy on the host)."""
     for path, text in sorted(files.items()):
         target = pathlib.Path(out) / path.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
+        mode = 0o640 if path in private else 0o644
+        descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        os.fchmod(descriptor, mode)  # an existing file keeps its mode through O_CREAT
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
         print(target)
+
+
+def _front_options(args: argparse.Namespace, options: dict, prefix: str, pem: str) -> dict[str, str]:
+    """The front's TLS, keys and exposure from the flags -> options; returns the extra files (the PEM)."""
+    from vlserve.cli.keys import read_clients  # noqa: PLC0415
+
+    # The flags alone decide (the roles' defaults for these are Ansible expressions).
+    options["clients"] = read_clients(args.clients) if args.clients else []
+    options[prefix + "insecure"] = bool(args.insecure)
+    options[prefix + "tls"] = bool(args.tls_pem)
+    return {pem: _read_pem(args.tls_pem)} if args.tls_pem else {}
+
+
+def _read_pem(path: str, key: bool = True) -> str:
+    """The front's certificate (chain) and private key in one PEM file, as HAProxy's `crt` takes it
+    (without `key`: certificates alone, a CA bundle)."""
+    try:
+        text = pathlib.Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadInput("cannot read the TLS file %s: %s" % (path, getattr(error, "strerror", None) or error)) from None
+    if "-----BEGIN CERTIFICATE-----" not in text or key != ("PRIVATE KEY-----" in text):
+        raise BadInput(
+            "the TLS file %s must hold %s"
+            % (path, "the certificate and its private key (PEM, one file)" if key else "certificates only (PEM)")
+        )
+    return text
 
 
 def cmd_render_units(args: argparse.Namespace) -> int:
     """The deploy role's files, rendered from the same templates and context, for hosts without Ansible."""
-    from vlserve.ops.units import PLAN_FILE, render_all, units_context  # noqa: PLC0415
+    from vlserve.ops.units import FRONT_PEM, PLAN_FILE, PRIVATE_FILES, exposure_problem, render_all, units_context  # noqa: PLC0415
 
     facts = load_facts(args.facts)
     try:
@@ -55,11 +88,16 @@ def cmd_render_units(args: argparse.Namespace) -> int:
         print("vlserve render-units: %s" % error, file=sys.stderr)
         return 1
     options = _role_defaults(DEPLOY_DEFAULTS, "vlserve_deploy_")
-    for name in ("model_dir", "front_port", "api_key", "user", "install_dir"):
+    for name in ("model_dir", "front_port", "front_bind", "user", "install_dir"):
         if getattr(args, "deploy_" + name) is not None:
             options[name] = getattr(args, "deploy_" + name)
-    files = render_all(pathlib.Path(args.templates), units_context(result, options), MANAGED)
-    _write_tree(args.out, files | {PLAN_FILE: sizing.dumps(result) + "\n"})
+    extra = _front_options(args, options, "front_", FRONT_PEM)
+    context = units_context(result, options)
+    problem = exposure_problem(context["front"])
+    if problem:
+        raise BadInput(problem + " (--tls-pem, --clients, --front-bind, --insecure)")
+    files = render_all(pathlib.Path(args.templates), context, MANAGED)
+    _write_tree(args.out, files | extra | {PLAN_FILE: sizing.dumps(result) + "\n"}, PRIVATE_FILES | set(extra))
     print(
         "%d worker(s); copy the tree to / on the host, then: systemctl daemon-reload && "
         "systemctl enable --now vlserve.target" % len(result["worker_list"]),
@@ -74,25 +112,63 @@ def _backend(text: str) -> dict:
     parts = where.split(":")
     if not name or len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[1:]):
         raise argparse.ArgumentTypeError("expected NAME=ADDRESS:PORT[:WEIGHT], not %r" % text)
-    return {"name": name, "address": parts[0], "port": int(parts[1]), "weight": int(parts[2]) if len(parts) > 2 else 1}
+    return {
+        "name": name,
+        "address": parts[0],
+        "port": int(parts[1]),
+        "weight": int(parts[2]) if len(parts) > 2 else 1,
+        "tls": False,  # --backend-ca turns it on for every host
+    }
 
 
 def cmd_render_fleet(args: argparse.Namespace) -> int:
     """The vlserve_front role's files for a fleet front, from the same templates and context."""
-    from vlserve.ops.units import fleet_context, render_fleet  # noqa: PLC0415
+    from vlserve.ops.units import (  # noqa: PLC0415
+        FLEET_BACKEND_CA,
+        FLEET_PEM,
+        PRIVATE_FILES,
+        exposure_problem,
+        fleet_context,
+        render_fleet,
+    )
 
     options = _role_defaults(FRONT_DEFAULTS, "vlserve_front_")
-    for name in ("port", "bind", "api_key", "check_interval_s"):
+    for name in ("port", "bind", "check_interval_s"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    context = fleet_context(args.backend, options)
-    _write_tree(args.out, render_fleet(pathlib.Path(args.templates), context, MANAGED))
+    extra = _front_options(args, options, "", FLEET_PEM)
+    backends = args.backend
+    if args.backend_ca:
+        extra[FLEET_BACKEND_CA] = _read_pem(args.backend_ca, key=False)
+        backends = [dict(backend, tls=True) for backend in backends]
+    context = fleet_context(backends, options)
+    problem = exposure_problem(context["front"])
+    if problem:
+        raise BadInput(problem + " (--tls-pem, --clients, --bind, --insecure)")
+    files = render_fleet(pathlib.Path(args.templates), context, MANAGED)
+    _write_tree(args.out, files | extra, PRIVATE_FILES | {FLEET_PEM})
     print(
         "%d host(s) behind port %d; copy the tree to / on the front host, then: systemctl daemon-reload && "
         "systemctl enable --now vlserve-fleet.service" % (len(args.backend), context["front"]["port"]),
         file=sys.stderr,
     )
     return 0
+
+
+def _add_front_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--clients",
+        metavar="FILE",
+        help="the API's client keys (YAML, see `vlserve keys`): the front holds their digests",
+    )
+    parser.add_argument(
+        "--tls-pem", dest="tls_pem", metavar="FILE", help="the front's certificate chain and private key, one PEM file"
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="let the front answer beyond loopback without TLS or keys (trusted networks only)",
+    )
 
 
 def add_commands(commands) -> None:
@@ -105,7 +181,8 @@ def add_commands(commands) -> None:
     render.add_argument("--templates", default=str(TEMPLATES), help="the templates directory (default: %(default)s)")
     render.add_argument("--model", dest="deploy_model_dir", help="checkpoint directory on the host")
     render.add_argument("--front-port", dest="deploy_front_port", type=int, help="port of the front")
-    render.add_argument("--api-key", dest="deploy_api_key", help="API key the front requires")
+    render.add_argument("--front-bind", dest="deploy_front_bind", help="address the front listens on")
+    _add_front_flags(render)
     render.add_argument("--user", dest="deploy_user", help="user the workers run as")
     render.add_argument("--install-dir", dest="deploy_install_dir", help="where the service's venv is")
     add_policy_flags(render)
@@ -125,7 +202,13 @@ def add_commands(commands) -> None:
     )
     fleet.add_argument("--port", type=int, help="port of the fleet front")
     fleet.add_argument("--bind", help="address the fleet front listens on")
-    fleet.add_argument("--api-key", dest="api_key", help="API key the fleet front requires")
+    _add_front_flags(fleet)
     fleet.add_argument("--check-interval-s", dest="check_interval_s", type=int, help="seconds between health checks")
+    fleet.add_argument(
+        "--backend-ca",
+        dest="backend_ca",
+        metavar="FILE",
+        help="the CA (PEM) that signed the hosts' fronts: the fleet front reaches them over TLS, checked against it",
+    )
     fleet.add_argument("--templates", default=str(TEMPLATES), help="the templates directory (default: %(default)s)")
     fleet.set_defaults(handler=cmd_render_fleet)

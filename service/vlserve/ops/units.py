@@ -6,8 +6,11 @@ the `vlserve_units_context` filter) and `vlserve render-units` (for hosts withou
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
+
+from vlserve.ops.clients import MAX_AUTHORIZATION_CHARS, front_clients
 
 CONFIG_DIR = "/etc/vlserve"
 UNIT_DIR = "/etc/systemd/system"
@@ -21,7 +24,17 @@ UNIT_FILES = {
 CONFIG_FILES = {
     "vlserve.env.j2": CONFIG_DIR + "/vlserve.env",
     "haproxy.cfg.j2": CONFIG_DIR + "/haproxy.cfg",
+    "clients.map.j2": CONFIG_DIR + "/clients.map",
 }
+# Files only the front's user may read (owner root, group haproxy, 0640): the clients' digests and
+# limits, the front's certificate with its private key. Every other file is 0644.
+PRIVATE_FILES = {CONFIG_DIR + "/clients.map", CONFIG_DIR + "/fleet-clients.map"}
+# The front's certificate, its chain and its private key in one PEM (HAProxy's `crt`), and the CA
+# that signed the host fronts' certificates (what the fleet front checks them against).
+TLS_DIR = CONFIG_DIR + "/tls"
+FRONT_PEM = TLS_DIR + "/front.pem"
+FLEET_PEM = TLS_DIR + "/fleet.pem"
+FLEET_BACKEND_CA = TLS_DIR + "/fleet-backends-ca.crt"
 # Per plan worker: its environment and its systemd drop-in (CPUs, memory limits).
 WORKER_FILES = {
     "worker.env.j2": CONFIG_DIR + "/worker-{index}.env",
@@ -34,6 +47,7 @@ PLAN_FILE = CONFIG_DIR + "/plan.json"
 # A fleet front (inventory group vlserve_front): one HAProxy over every service host's front.
 FLEET_FILES = {
     "fleet-haproxy.cfg.j2": CONFIG_DIR + "/fleet-haproxy.cfg",
+    "clients.map.j2": CONFIG_DIR + "/fleet-clients.map",
     "vlserve-fleet.service.j2": UNIT_DIR + "/vlserve-fleet.service",
 }
 FLEET_BACKEND = "vlserve_fleet"  # the backend whose servers the rollout drains and enables, one per host
@@ -47,6 +61,12 @@ ERROR_PAGES = {
         "authentication_error",
         "invalid_api_key",
     ),
+    403: (
+        "Forbidden",
+        "this API key may not use the model the request names",
+        "permission_error",
+        "model_not_allowed",
+    ),
     413: (
         "Payload Too Large",
         "the request body is over the upload limit",
@@ -57,12 +77,66 @@ ERROR_PAGES = {
     504: ("Gateway Timeout", "the worker did not answer in time", "timeout_error", "timeout"),
 }
 
+# A client over one of its limits (ops/clients.py): 429 with Retry-After, in the same error shape.
+LIMIT_REFUSALS = {
+    "concurrent": ("this API key has its most requests in flight; retry when one ends", "concurrency_limit"),
+    "requests_per_minute": ("this API key is over its requests per minute", "rate_limit"),
+    "tokens_per_minute": (
+        "this API key is over its tokens per minute (each request reserves its max_tokens)",
+        "token_limit",
+    ),
+}
+LOOPBACK = ("127.", "::1", "localhost")
+
+
+def error_body(message: str, kind: str, code: str) -> str:
+    """The service's one error shape, as the front's own refusals send it."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+def exposure_problem(front: dict[str, Any]) -> str | None:
+    """Why a front may not listen where it is told to, or None: beyond loopback it needs TLS and keys,
+    unless the operator opened it on purpose (`insecure`)."""
+    if front["insecure"] or str(front["bind"]).startswith(LOOPBACK):
+        return None
+    missing = [what for what, present in (("TLS", front["tls"]), ("API keys", front["clients"])) if not present]
+    if not missing:
+        return None
+    return "the front would answer on %s:%d without %s; give %s, bind it to 127.0.0.1, or mark it insecure" % (
+        front["bind"],
+        front["port"],
+        " and ".join(missing),
+        " and ".join(missing),
+    )
+
+
+def _front(options: dict[str, Any], prefix: str, pem: str, clients_map: str) -> dict[str, Any]:
+    """What both fronts' templates share: where they listen, TLS, the clients, the limits' refusals."""
+    tls = _truthy(options.get(prefix + "tls", False))
+    return {
+        "port": int(options[prefix + "port"]),
+        "bind": options[prefix + "bind"],
+        "tls": {"pem": pem} if tls else None,
+        "insecure": _truthy(options.get(prefix + "insecure", False)),
+        "clients": front_clients(options.get("clients") or [], "clients"),
+        "clients_map": clients_map,
+        "max_authorization_chars": MAX_AUTHORIZATION_CHARS,
+        # What a request that names no max_tokens reserves against a tokens-per-minute limit.
+        "default_max_tokens": int((options.get("settings") or {}).get("max_tokens_default", 512)),
+        "max_upload_bytes": int(options["max_upload_bytes"]),
+        "timeout_s": int(options["request_timeout_s"]) + 30,
+        "refusals": {
+            name: error_body(message, "rate_limit_error", code) for name, (message, code) in LIMIT_REFUSALS.items()
+        },
+    }
+
 
 def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """The `vlserve_units` variable of the templates.
 
     `options`: the vlserve_deploy role's variables without their prefix (install_dir, user, group,
-    model_dir, state_dir, cache_dir, front_port, front_bind, api_key, settings, ...).
+    model_dir, state_dir, cache_dir, front_port, front_bind, front_tls, front_insecure, clients,
+    settings, ...).
     """
     install_dir = str(options["install_dir"])
     merged = {
@@ -98,15 +172,11 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
         ],
         "worker_bind": options.get("worker_bind", "127.0.0.1"),
         "fleet": {"backend": FLEET_BACKEND, "socket": FLEET_SOCKET},  # where a fleet front drains this host
-        "front": {
-            "port": int(options["front_port"]),
-            "bind": options["front_bind"],
+        "front": dict(
+            _front(options, "front_", FRONT_PEM, CONFIG_FILES["clients.map.j2"]),
             # Where this host reaches its own front (checks, the play's test question).
-            "local_address": "127.0.0.1" if options["front_bind"] in ("0.0.0.0", "::") else options["front_bind"],
-            "api_key": options.get("api_key") or "",
-            "max_upload_bytes": int(options["max_upload_bytes"]),
-            "timeout_s": int(options["request_timeout_s"]) + 30,
-        },
+            local_address="127.0.0.1" if options["front_bind"] in ("0.0.0.0", "::") else options["front_bind"],
+        ),
         "error_pages": _error_pages(),
     }
 
@@ -139,6 +209,8 @@ def fleet_backends(hosts: list[str], hostvars: Any) -> list[dict[str, Any]]:
                 "address": host.get("vlserve_fleet_address")
                 or (bind if bind not in ("0.0.0.0", "::") else host.get("ansible_host", name)),
                 "port": int(host.get("vlserve_deploy_front_port", 8100)),
+                # The host's front speaks TLS unless its inventory turned it off (the role's default: on).
+                "tls": _truthy(host.get("vlserve_deploy_front_tls", True)),
                 "weight": max(1, min(256, int((plan.get("workers") or {}).get("count", 1)))),
             }
         )
@@ -147,30 +219,33 @@ def fleet_backends(hosts: list[str], hostvars: Any) -> list[dict[str, Any]]:
 
 def fleet_context(backends: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
     """The `vlserve_fleet` variable of the fleet front's templates. `options`: the vlserve_front role's
-    variables without their prefix (port, bind, api_key, max_upload_bytes, request_timeout_s,
-    check_interval_s)."""
+    variables without their prefix (port, bind, tls, insecure, clients, max_upload_bytes,
+    request_timeout_s, check_interval_s)."""
     return {
         "config_dir": CONFIG_DIR,
         "files": FLEET_FILES,
         "backend": FLEET_BACKEND,
         "socket": FLEET_SOCKET,
         "backends": backends,
-        "front": {
-            "port": int(options["port"]),
-            "bind": options["bind"],
-            "api_key": options.get("api_key") or "",
-            "max_upload_bytes": int(options["max_upload_bytes"]),
-            "timeout_s": int(options["request_timeout_s"]) + 30,
-            "check_interval_s": int(options["check_interval_s"]),
-        },
+        "tls_dir": TLS_DIR,
+        "backend_ca": FLEET_BACKEND_CA,  # what the host fronts' certificates are checked against
+        "front": dict(
+            _front(options, "", FLEET_PEM, FLEET_FILES["clients.map.j2"]),
+            check_interval_s=int(options["check_interval_s"]),
+        ),
         "error_pages": _error_pages(),
     }
 
 
+def _truthy(value: Any) -> bool:
+    """An inventory boolean, which may reach Python as a string ("false", "no")."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
 def _env_value(value: Any) -> str:
     """A setting as an EnvironmentFile= value: lists as JSON (what pydantic-settings reads), booleans lowercase."""
-    import json  # noqa: PLC0415
-
     if isinstance(value, (list, dict)):
         return json.dumps(value)
     if isinstance(value, bool):

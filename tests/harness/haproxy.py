@@ -1,0 +1,99 @@
+"""HAProxy as the fronts run it, for tests on this machine: the distribution's own build, unpacked.
+
+Debian's haproxy package (and the two libraries it links that this machine may lack) is downloaded
+and unpacked into the harness cache, never installed: no haproxy.service starts here, nothing under
+/etc changes. A front's rendered files are written below a temporary root and its absolute paths
+(/etc/vlserve, /run/vlserve-*) pointed there, so the configuration under test is the one the roles
+write, run as a plain process on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import ssl
+import subprocess
+import time
+
+import httpx
+
+from harness.host import CACHE
+
+PACKAGES = ("haproxy", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1")
+ROOT = CACHE / "haproxy"
+
+
+def haproxy_binary() -> tuple[pathlib.Path, dict[str, str]]:
+    """The haproxy executable and the environment that finds its libraries."""
+    binary = ROOT / "usr" / "sbin" / "haproxy"
+    libraries = ROOT / "usr" / "lib" / "x86_64-linux-gnu"
+    if not binary.exists():
+        downloads = CACHE / "haproxy-debs"
+        downloads.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["apt-get", "download", *PACKAGES], cwd=downloads, check=True, capture_output=True)
+        staging = ROOT.with_suffix(".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        for deb in sorted(downloads.glob("*.deb")):
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(staging)], check=True)
+        staging.rename(ROOT)
+    environment = dict(os.environ, LD_LIBRARY_PATH=str(libraries))
+    return binary, environment
+
+
+class Front:
+    """One HAProxy process running a rendered front's files (a tree as render-units writes it)."""
+
+    def __init__(self, tree: pathlib.Path, config: str):
+        self.tree = tree
+        self.binary, self.environment = haproxy_binary()
+        self.config = tree / config.lstrip("/")
+        self.log = tree / "haproxy.log"
+        # The rendered paths, pointed below the tree (the runtime socket's directory too).
+        text = self.config.read_text()
+        text = re.sub(r"(?<![\w/])/(etc/vlserve|run/vlserve-[a-z]+)/", lambda m: "%s/%s/" % (tree, m.group(1)), text)
+        (tree / "run" / "vlserve-front").mkdir(parents=True, exist_ok=True)
+        (tree / "run" / "vlserve-fleet").mkdir(parents=True, exist_ok=True)
+        self.config.write_text(text)
+        for map_file in tree.rglob("*.map"):
+            map_file.chmod(0o600)
+        self.process: subprocess.Popen | None = None
+
+    def check(self) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(self.binary), "-c", "-q", "-f", str(self.config)],
+            env=self.environment,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    def start(self, url: str, ca: ssl.SSLContext | bool = False) -> Front:
+        """Run it in master-worker mode, as the unit does, until `url` answers."""
+        self.process = subprocess.Popen(
+            [str(self.binary), "-W", "-db", "-f", str(self.config)],
+            env=self.environment,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()
+            try:
+                httpx.get(url, verify=ca, timeout=2)
+                return self
+            except httpx.TransportError:
+                time.sleep(0.2)
+        raise AssertionError("the front did not answer at %s: %s" % (url, self.log.read_text()[-2000:]))
+
+    def reload(self) -> None:
+        """What `systemctl reload` does to the unit: USR2 to the master, which starts new workers and
+        lets the old ones finish their streams."""
+        assert self.process is not None
+        self.process.send_signal(12)  # SIGUSR2
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=20)

@@ -1,0 +1,365 @@
+"""The host front as render-units and the roles write it, run by Debian's HAProxy in front of a real
+worker on loopback: TLS, a key per client, the clients' limits, and the name the workers count by.
+
+The fleet front includes the same rules (templates/haproxy-rules.j2); the fleet tier runs it on hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import warnings
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from conftest import TOOL_ENV, free_port, run_tool
+from harness.haproxy import Front
+from vlserve.bench.servers import LocalServer
+from vlserve.ops import clients, units
+
+FACTS = pathlib.Path(__file__).parent / "fixtures" / "topologies" / "xeon-avx512bf16-2vcpu-vm.json"
+KEYS = {
+    "alice": "vls-alice-" + "a" * 40,
+    "bob": "vls-bob-" + "b" * 40,
+    "carol": "vls-carol-" + "c" * 40,
+    "dave": "vls-dave-" + "d" * 40,
+}
+KEY_FILE = [
+    {"name": "alice", "key": KEYS["alice"], "limits": {"concurrent": 1}},
+    {"name": "bob", "key": KEYS["bob"], "limits": {"requests_per_minute": 3}},
+    {"name": "carol", "key": KEYS["carol"], "limits": {"models": ["another-model"]}},
+    {"name": "dave", "key": KEYS["dave"], "limits": {"tokens_per_minute": 20}},
+]
+
+
+def self_signed(directory: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A certificate for 127.0.0.1 and its key in one PEM (HAProxy's form), and the certificate alone
+    (what a client trusts)."""
+    key, cert = directory / "front.key", directory / "front.crt"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    pem = directory / "front.pem"
+    pem.write_text(cert.read_text() + key.read_text())
+    return pem, cert
+
+
+@pytest.fixture(scope="module")
+def fronted(tiny_model, tmp_path_factory):
+    """A worker on the tiny model behind the host front with TLS and the four clients."""
+    work = tmp_path_factory.mktemp("front")
+    pem, cert = self_signed(work)
+    (work / "keys.yml").write_text(yaml.safe_dump({"vlserve_clients": KEY_FILE}))
+    worker_port, front_port = free_port(), free_port()
+    tree = work / "tree"
+    result = run_tool(
+        "vlserve", "render-units", "--out", str(tree), "--facts", str(FACTS), "--max-workers", "1",
+        "--base-port", str(worker_port), "--front-port", str(front_port), "--front-bind", "127.0.0.1",
+        "--clients", str(work / "keys.yml"), "--tls-pem", str(pem),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    worker = LocalServer(tiny_model, port=worker_port, environment=TOOL_ENV).wait_ready(timeout_s=180)
+    front = Front(tree, units.CONFIG_FILES["haproxy.cfg.j2"])
+    url = "https://127.0.0.1:%d" % front_port
+    front.start(url + "/readyz", ca=ssl.create_default_context(cafile=str(cert)))
+    yield {
+        "url": url,
+        "ca": str(cert),
+        "trust": ssl.create_default_context(cafile=str(cert)),
+        "worker": worker,
+        "front": front,
+        "tree": tree,
+        "port": front_port,
+    }
+    front.stop()
+    worker.stop()
+
+
+def call(fronted, path="/v1/models", key=None, method="GET", **kwargs) -> httpx.Response:
+    headers = dict(kwargs.pop("headers", {}))
+    if key:
+        headers["Authorization"] = "Bearer " + key
+    return httpx.request(method, fronted["url"] + path, headers=headers, verify=fronted["trust"], timeout=120, **kwargs)
+
+
+def worker_requests(fronted) -> float:
+    """Every /v1/ request the worker itself counted."""
+    samples = httpx.get(fronted["worker"].url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in samples.splitlines() if line.startswith("vlserve_requests_total{")
+    )
+
+
+def worker_metric(fronted, name: str, **labels) -> float:
+    wanted = ",".join('%s="%s"' % item for item in sorted(labels.items()))
+    prefix = "%s{%s} " % (name, wanted) if labels else name + " "
+    for line in httpx.get(fronted["worker"].url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def chat(max_tokens=4, stream=False, model="qwen3-vl-2b-instruct") -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def test_the_front_holds_digests_not_keys_and_none_readable_by_others(fronted):
+    texts = [path.read_bytes() for path in fronted["tree"].rglob("*") if path.is_file()]
+    for key in KEYS.values():
+        assert not any(key.encode() in text for text in texts)
+    clients_map = fronted["tree"] / units.CONFIG_FILES["clients.map.j2"].lstrip("/")
+    assert clients.key_digest(KEYS["bob"]) in clients_map.read_text()
+    written = run_tool(
+        "vlserve", "render-units", "--out", str(fronted["tree"] / "again"), "--facts", str(FACTS),
+        "--front-bind", "127.0.0.1", "--tls-pem", str(fronted["tree"].parent / "front.pem"),
+        "--clients", str(fronted["tree"].parent / "keys.yml"),
+    )  # fmt: skip
+    assert written.returncode == 0, written.stderr
+    again = fronted["tree"] / "again"
+    for private in (units.CONFIG_FILES["clients.map.j2"], units.FRONT_PEM):
+        assert (again / private.lstrip("/")).stat().st_mode & 0o777 == 0o640, private
+    assert (again / units.CONFIG_FILES["haproxy.cfg.j2"].lstrip("/")).stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer vls-not-a-key-" + "x" * 40},
+        {"Authorization": "Bearer " + "y" * 400},  # oversized: not even hashed
+        {"Authorization": "Basic " + KEYS["alice"]},
+    ],
+    ids=["missing", "wrong", "oversized", "not-bearer"],
+)
+def test_a_request_without_a_valid_key_gets_401_json_and_never_reaches_a_worker(fronted, headers):
+    before = worker_requests(fronted)
+    refused = call(fronted, headers=headers)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+    assert refused.headers["www-authenticate"] == "Bearer"
+    assert worker_requests(fronted) == before
+
+
+def test_tls_is_1_2_or_1_3_with_h2_and_older_handshakes_are_refused(fronted):
+    for version in (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3):
+        context = ssl.create_default_context(cafile=fronted["ca"])
+        context.minimum_version = context.maximum_version = version
+        context.set_alpn_protocols(["h2", "http/1.1"])
+        with (
+            socket.create_connection(("127.0.0.1", fronted["port"]), timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+        ):
+            assert tls.version() == {ssl.TLSVersion.TLSv1_2: "TLSv1.2", ssl.TLSVersion.TLSv1_3: "TLSv1.3"}[version]
+            assert tls.selected_alpn_protocol() == "h2"
+    # TLS 1.0 and 1.1: OpenSSL's default security level here may refuse to offer them at all; the
+    # client is allowed to (level 0) so that the refusal seen is the front's.
+    old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    old.check_hostname, old.verify_mode = False, ssl.CERT_NONE
+    old.set_ciphers("ALL:@SECLEVEL=0")
+    with warnings.catch_warnings():  # deprecated: the point of the test
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old.minimum_version, old.maximum_version = ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1
+    with socket.create_connection(("127.0.0.1", fronted["port"]), timeout=10) as raw, pytest.raises(ssl.SSLError):
+        old.wrap_socket(raw, server_hostname="127.0.0.1")
+    with pytest.raises(httpx.RemoteProtocolError):  # plain HTTP on the TLS port: closed, nothing served
+        httpx.get("http://127.0.0.1:%d/v1/models" % fronted["port"], timeout=10)
+
+
+def test_the_openai_client_trusts_the_front_by_its_ca_and_the_worker_counts_the_client(fronted):
+    before = worker_metric(fronted, "vlserve_client_completion_tokens_total", client="alice")
+    client = openai.OpenAI(
+        base_url=fronted["url"] + "/v1", api_key=KEYS["alice"], http_client=httpx.Client(verify=fronted["trust"])
+    )
+    answer = client.chat.completions.create(
+        model="qwen3-vl-2b-instruct",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Vlserve-Client": "bob"},  # a client cannot name itself: the front drops it
+    )
+    assert answer.usage.completion_tokens == 3
+    assert worker_metric(fronted, "vlserve_client_completion_tokens_total", client="alice") == before + 3
+    assert worker_metric(fronted, "vlserve_client_completion_tokens_total", client="bob") == 0
+    assert worker_metric(fronted, "vlserve_client_prompt_tokens_total", client="alice") >= answer.usage.prompt_tokens
+
+
+def test_a_client_over_its_concurrency_gets_429_while_its_stream_goes_on(fronted):
+    streamed: dict = {}
+
+    def long_stream():
+        with httpx.stream(
+            "POST", fronted["url"] + "/v1/chat/completions", json=chat(max_tokens=60, stream=True),
+            headers={"Authorization": "Bearer " + KEYS["alice"]}, verify=fronted["trust"], timeout=120,
+        ) as response:  # fmt: skip
+            streamed["status"] = response.status_code
+            streamed["events"] = sum(1 for line in response.iter_lines() if line.startswith("data: {"))
+
+    before = worker_metric(fronted, "vlserve_client_requests_total", client="alice", outcome="ok")
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while worker_metric(fronted, "vlserve_batch_size") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = call(fronted, "/v1/chat/completions", KEYS["alice"], "POST", json=chat())
+    other = call(fronted, "/v1/chat/completions", KEYS["dave"], "POST", json=chat(max_tokens=2))
+    thread.join()
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["code"] == "concurrency_limit"
+    assert second.headers["retry-after"] == "1"
+    assert other.status_code == 200  # another client is not held by alice's limit
+    assert streamed["status"] == 200 and streamed["events"] >= 10  # the stream went on to its end
+    assert call(fronted, "/v1/chat/completions", KEYS["alice"], "POST", json=chat()).status_code == 200
+    assert worker_metric(fronted, "vlserve_client_requests_total", client="alice", outcome="ok") == before + 2
+
+
+def test_a_client_over_its_requests_per_minute_gets_429_with_retry_after(fronted):
+    answers = [call(fronted, key=KEYS["bob"]) for _ in range(5)]
+    assert [a.status_code for a in answers] == [200, 200, 200, 429, 429]
+    refused = answers[3].json()["error"]
+    assert refused == {
+        "message": "this API key is over its requests per minute",
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "rate_limit",
+    }
+    assert 1 <= int(answers[3].headers["retry-after"]) <= 60
+    assert call(fronted, key=KEYS["carol"]).status_code == 200
+
+
+def test_a_client_over_its_tokens_per_minute_is_refused_by_what_it_reserves(fronted):
+    # 20 tokens a minute: 15 fit, another 15 do not (until the minute turns: then it may pass).
+    first = call(fronted, "/v1/chat/completions", KEYS["dave"], "POST", json=chat(max_tokens=15))
+    second = call(fronted, "/v1/chat/completions", KEYS["dave"], "POST", json=chat(max_tokens=15))
+    if second.status_code == 200:  # the first fell in the minute before
+        second = call(fronted, "/v1/chat/completions", KEYS["dave"], "POST", json=chat(max_tokens=15))
+    assert first.status_code == 200
+    assert second.status_code == 429 and second.json()["error"]["code"] == "token_limit"
+    assert 1 <= int(second.headers["retry-after"]) <= 60
+
+
+def test_a_client_may_name_only_its_models(fronted):
+    refused = call(fronted, "/v1/chat/completions", KEYS["carol"], "POST", json=chat())
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
+    allowed = call(fronted, "/v1/chat/completions", KEYS["carol"], "POST", json=chat(model="another-model"))
+    assert allowed.status_code != 403  # the worker answers for its own model whatever the name
+
+
+def test_a_new_key_set_is_taken_by_a_reload_without_a_failed_request(fronted):
+    failures, done = [], threading.Event()
+
+    def loop():
+        while not done.is_set():
+            answer = call(fronted, "/v1/chat/completions", KEYS["dave"], "POST", json=chat(max_tokens=1))
+            if answer.status_code not in (200, 429):  # dave's token limit may bite: not a failure
+                failures.append(answer.status_code)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    rotated = [dict(entry) for entry in KEY_FILE]
+    rotated[1] = dict(rotated[1], key="vls-bob-rotated-" + "r" * 40)
+    clients_map = fronted["tree"] / units.CONFIG_FILES["clients.map.j2"].lstrip("/")
+    original = clients_map.read_text()
+    try:
+        clients_map.write_text(original.replace(clients.key_digest(KEYS["bob"]), clients.key_digest(rotated[1]["key"])))
+        fronted["front"].reload()
+        deadline = time.monotonic() + 20
+        while call(fronted, key=rotated[1]["key"]).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert call(fronted, key=rotated[1]["key"]).status_code in (200, 429)
+        assert call(fronted, key=KEYS["bob"]).status_code == 401
+    finally:
+        clients_map.write_text(original)
+        fronted["front"].reload()
+        time.sleep(1)
+        done.set()
+        thread.join()
+    assert failures == []
+
+
+def test_render_refuses_a_front_beyond_loopback_without_tls_and_keys(tmp_path):
+    for command, extra in (
+        ("render-units", ["--facts", str(FACTS)]),
+        ("render-fleet", ["--backend", "a=127.0.1.1:8100"]),
+    ):
+        result = run_tool("vlserve", command, "--out", str(tmp_path / command), *extra)
+        assert result.returncode == 2, result.stderr
+        assert "without TLS and API keys" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / command).exists()
+        opened = run_tool("vlserve", command, "--out", str(tmp_path / command), "--insecure", *extra)
+        assert opened.returncode == 0, opened.stderr
+
+
+@pytest.mark.parametrize(
+    "entries, message",
+    [
+        ([{"name": "Alice", "key": "k" * 40}], "client 1: name must be"),
+        ([{"name": "a", "key": "short-key"}], "client 1 (a): key is 9 characters; it must be 32-256"),
+        ([{"name": "a", "key": "k" * 40}, {"name": "a", "key": "j" * 40}], "client 2 (a): a second client"),
+        ([{"name": "a", "key": "k" * 40}, {"name": "b", "key": "k" * 40}], "client 2 (b): the same key"),
+        ([{"name": "a", "key": "k" * 40, "limits": {"concurrent": 0}}], "limits.concurrent must be a whole number"),
+        ([{"name": "a", "key": "k" * 40, "limits": {"burst": 3}}], "unknown limit burst"),
+        ([{"name": "a", "key": "k k" + "k" * 40}], "printable ASCII without spaces"),
+        ({"name": "a"}, "expected a list of clients"),
+    ],
+)
+def test_a_bad_key_file_is_one_line_naming_the_client_and_never_the_key(tmp_path, entries, message):
+    with pytest.raises(clients.ClientsError) as raised:
+        clients.parse_clients(entries, "keys.yml")
+    assert message in str(raised.value)
+    for entry in entries if isinstance(entries, list) else []:
+        assert entry["key"] not in str(raised.value)
+    path = tmp_path / "keys.yml"
+    path.write_text(yaml.safe_dump(entries))
+    result = run_tool("vlserve", "keys", "check", str(path))
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_keys_new_makes_a_key_the_check_accepts_and_shows_only_digests(tmp_path):
+    path = tmp_path / "keys.yml"
+    for name in ("web", "batch"):
+        result = run_tool("vlserve", "keys", "new", name, "--concurrent", "2", "--output", str(path))
+        assert result.returncode == 0, result.stderr
+    assert path.stat().st_mode & 0o777 == 0o600
+    entries = yaml.safe_load(path.read_text())
+    assert [e["name"] for e in entries] == ["web", "batch"] and entries[0]["key"] != entries[1]["key"]
+    assert all(e["key"].startswith(clients.KEY_PREFIX) and len(e["key"]) >= 40 for e in entries)
+    listed = run_tool("vlserve", "keys", "check", str(path))
+    assert listed.returncode == 0, listed.stderr
+    assert clients.key_digest(entries[0]["key"])[:12] in listed.stdout
+    assert not any(e["key"] in listed.stdout + listed.stderr for e in entries)
+    assert json.loads(json.dumps(clients.front_clients(entries)))[1]["concurrent"] == 2
+
+
+def test_the_fleet_front_as_render_fleet_writes_it_is_a_valid_haproxy_configuration(tmp_path):
+    pem, cert = self_signed(tmp_path)
+    (tmp_path / "keys.yml").write_text(yaml.safe_dump(KEY_FILE))
+    tree = tmp_path / "fleet"
+    result = run_tool(
+        "vlserve", "render-fleet", "--out", str(tree), "--backend", "a=127.0.1.1:8100:2", "--backend",
+        "b=127.0.1.2:8100", "--tls-pem", str(pem), "--clients", str(tmp_path / "keys.yml"), "--backend-ca", str(cert),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = (tree / units.FLEET_FILES["fleet-haproxy.cfg.j2"].lstrip("/")).read_text()
+    servers = [line.split() for line in config.splitlines() if line.strip().startswith("server ")]
+    assert [words[1] for words in servers] == ["a", "b"]  # one line each
+    assert all("verify" in words and units.FLEET_BACKEND_CA in words for words in servers)
+    checked = Front(tree, units.FLEET_FILES["fleet-haproxy.cfg.j2"]).check()
+    assert checked.returncode == 0, checked.stderr
