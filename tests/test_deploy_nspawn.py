@@ -12,6 +12,8 @@ import os
 import pathlib
 import re
 import shutil
+import ssl
+import subprocess
 import threading
 import time
 import zipfile
@@ -33,9 +35,16 @@ if REASON and os.environ.get("CI"):
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 
+# What the play made on the controller next to the inventory (the private CA, the default client's
+# key): where every request of these tests gets its trust and its key.
+CREDENTIALS: dict = {}
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("deploy")
+    directory = tmp_path_factory.mktemp("deploy")
+    CREDENTIALS["dir"] = directory / "vlserve-credentials"
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +97,32 @@ def deployed(guest, workdir, host_vars):
 
 
 def front(host_vars) -> str:
-    return "http://127.0.0.1:%d" % host_vars["vlserve_deploy_front_port"]
+    return "https://127.0.0.1:%d" % host_vars["vlserve_deploy_front_port"]
+
+
+def trust() -> ssl.SSLContext:
+    """The private CA the play made, as a client trusts it."""
+    return ssl.create_default_context(cafile=str(CREDENTIALS["dir"] / "ca.crt"))
+
+
+def default_key() -> dict:
+    return {"Authorization": "Bearer " + (CREDENTIALS["dir"] / "default-api-key").read_text().strip()}
+
+
+def get(host_vars, path, key=True, **kwargs):
+    headers = dict(default_key() if key else {}, **kwargs.pop("headers", {}))
+    return httpx.get(
+        front(host_vars) + path, headers=headers, verify=trust(), timeout=kwargs.pop("timeout", 10), **kwargs
+    )
 
 
 def ask(host_vars, timeout=60):
     return httpx.post(
-        front(host_vars) + "/v1/chat/completions", json=image_question(png_bytes(), max_tokens=4), timeout=timeout
+        front(host_vars) + "/v1/chat/completions",
+        json=image_question(png_bytes(), max_tokens=4),
+        headers=default_key(),
+        verify=trust(),
+        timeout=timeout,
     )
 
 
@@ -150,11 +179,11 @@ def test_the_workers_follow_the_plan(guest, workdir, deployed, host_vars):
 
 def test_the_page_and_the_status_through_the_front_show_the_plan_and_which_worker_answered(deployed, host_vars):
     """The deploy writes the plan where the workers' status page reads it (the hardened unit can)."""
-    page = httpx.get(front(host_vars) + "/", timeout=10)
+    page = get(host_vars, "/", key=False)
     assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
     names = set()
     for _ in range(6):
-        response = httpx.get(front(host_vars) + "/status", timeout=10)
+        response = get(host_vars, "/status", key=False)
         status = response.json()
         assert status["plan"]["source"] == "/etc/vlserve/plan.json"
         assert status["plan"]["workers"] == 2
@@ -229,7 +258,7 @@ def test_stop_and_start_the_whole_service(guest, deployed, host_vars):
     guest.ssh("systemctl stop vlserve.target")
     assert guest.ssh("systemctl list-units --state=running --no-legend 'vlserve*'").stdout.strip() == ""
     with pytest.raises(httpx.ConnectError):
-        httpx.get(front(host_vars) + "/v1/models", timeout=5)
+        get(host_vars, "/v1/models", timeout=5)
     started = time.monotonic()
     guest.ssh("systemctl start vlserve.target")  # returns once every worker is ready (READY=1)
     assert ask(host_vars).status_code == 200
@@ -405,7 +434,10 @@ def test_every_command_runs_on_the_host_from_the_installed_release(guest, deploy
         "cd / && %s bench-decode --model /var/lib/vlserve/model --levels int8 --tokens 2 --rounds 1 "
         "--prompt-tokens 8" % vlserve
     )
-    guest.ssh("cd / && %s render-units --out /tmp/rendered && test -f /tmp/rendered/etc/vlserve/haproxy.cfg" % vlserve)
+    guest.ssh(
+        "cd / && %s render-units --out /tmp/rendered --front-bind 127.0.0.1"
+        " && test -f /tmp/rendered/etc/vlserve/haproxy.cfg" % vlserve
+    )
 
 
 def test_a_model_file_changed_on_the_controller_stops_the_play_naming_it(guest, workdir, deployed, host_vars, tmp_path):
@@ -453,22 +485,57 @@ def test_a_missing_model_fails_the_unit_fast_and_the_play_says_why(guest, workdi
     assert ask(host_vars).status_code == 200
 
 
-def test_the_front_enforces_the_upload_limit_and_the_api_key(guest, workdir, deployed, host_vars):
+def test_the_front_enforces_the_upload_limit_and_the_clients_keys(guest, workdir, deployed, host_vars):
     too_big = httpx.post(
         front(host_vars) + "/v1/chat/completions",
         content=b"x" * (21 * 2**20),
         timeout=60,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **default_key()},
+        verify=trust(),
     )
     assert too_big.status_code == 413
     assert too_big.json()["error"]["code"] == "request_too_large"
-    keyed = dict(host_vars, vlserve_deploy_api_key="s3cret-key")
+    # Out of the box: TLS by the private CA, one default client whose key only the controller holds.
+    assert get(host_vars, "/v1/models", key=False).status_code == 401
+    assert (CREDENTIALS["dir"] / "default-api-key").stat().st_mode & 0o777 == 0o600
+    keys = {"web": "vls-web-" + "w" * 40, "batch": "vls-batch-" + "b" * 40}
+    keyed = dict(host_vars, vlserve_clients=[{"name": name, "key": key} for name, key in keys.items()])
+    started = main_pid(guest, 0)
     result = play(guest, workdir, "site.yml", **keyed)
     assert result.returncode == 0, result.stdout[-4000:]
-    refused = httpx.get(front(host_vars) + "/v1/models", timeout=10)
-    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
-    allowed = httpx.get(front(host_vars) + "/v1/models", headers={"Authorization": "Bearer s3cret-key"}, timeout=10)
-    assert allowed.status_code == 200
-    assert "s3cret-key" not in result.stdout  # no_log: the key stays out of the play's output
+    assert main_pid(guest, 0) == started  # keys change the front's map only: no worker restarts
+    assert get(host_vars, "/v1/models").status_code == 401  # the default client is gone
+    for key in keys.values():
+        assert get(host_vars, "/v1/models", key=False, headers={"Authorization": "Bearer " + key}).status_code == 200
+        assert key not in result.stdout + result.stderr  # no_log: the keys stay out of the play's output
+        # The host holds digests: no file under /etc or /opt has a key.
+        assert guest.ssh("grep -rlF %s /etc /opt/vlserve /var/lib/vlserve" % key, check=False).stdout == ""
+    modes = guest.ssh("stat -c '%a %U %G' /etc/vlserve/clients.map /etc/vlserve/tls/front.pem").stdout.split("\n")
+    assert modes[:2] == ["640 root haproxy", "640 root haproxy"]
     assert play(guest, workdir, "site.yml", **host_vars).returncode == 0
-    assert httpx.get(front(host_vars) + "/v1/models", timeout=10).status_code == 200
+    assert get(host_vars, "/v1/models").status_code == 200
+
+
+def test_a_bad_certificate_fails_the_play_before_any_change_naming_the_file(guest, workdir, deployed, host_vars):
+    other = workdir / "other"
+    other.mkdir(exist_ok=True)
+    for name in ("a", "b"):
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", str(other / (name + ".key")), "-out", str(other / (name + ".crt")), "-days", "30",
+             "-subj", "/CN=guest"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    (other / "junk.key").write_text("not a key\n")
+    before = guest.tree_digest("/etc", "/opt/vlserve")
+    for cert, key, message in (
+        ("a.crt", "b.key", "a.crt: does not match the key"),
+        ("a.crt", "junk.key", "junk.key is not a PEM private key the controller can read"),
+    ):
+        result = play(
+            guest, workdir, "site.yml",
+            vlserve_deploy_front_tls_cert=str(other / cert), vlserve_deploy_front_tls_key=str(other / key), **host_vars,
+        )  # fmt: skip
+        assert result.returncode != 0
+        assert message in " ".join(result.stdout.split()), result.stdout[-3000:]
+    assert guest.tree_digest("/etc", "/opt/vlserve") == before

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import ssl
 import subprocess
 import threading
 import time
@@ -34,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 
 SERVICE = {"fleet-1": "127.0.1.1", "fleet-2": "127.0.1.2", "fleet-3": "127.0.1.3"}
 FRONT = ("fleet-front", "127.0.1.9")
-FLEET_URL = "http://%s:8100" % FRONT[1]
+FLEET_URL = "https://%s:8100" % FRONT[1]
 FIGURES = nspawn.CACHE / "fleet-figures.json"  # what the tier measured, kept as an artefact of the run
 CHECK_INTERVAL_S = 1  # the fleet front's health checks: a dead host is out after two (about 2 s)
 
@@ -63,9 +64,16 @@ while time.time() < end:
 """
 
 
+# The private CA and the default client's key the play made next to the inventory: every request of
+# these tests trusts the fronts through the one and carries the other.
+CREDENTIALS: dict = {}
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("fleet")
+    directory = tmp_path_factory.mktemp("fleet")
+    CREDENTIALS["dir"] = directory / "vlserve-credentials"
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +119,14 @@ def inventory(workdir, hosts, per_host=None, **common):
 
 
 def ask(url, timeout=60):
-    return httpx.post(url + "/v1/chat/completions", json=image_question(png_bytes(), max_tokens=2), timeout=timeout)
+    key = (CREDENTIALS["dir"] / "default-api-key").read_text().strip()
+    return httpx.post(
+        url + "/v1/chat/completions",
+        json=image_question(png_bytes(), max_tokens=2),
+        headers={"Authorization": "Bearer " + key},
+        verify=ssl.create_default_context(cafile=str(CREDENTIALS["dir"] / "ca.crt")),
+        timeout=timeout,
+    )
 
 
 class Client(threading.Thread):
@@ -188,7 +203,7 @@ def test_site_over_the_fleet_serves_through_the_fleet_front(hosts, deployed):
         answered.add(response.headers["x-vlserve-host"])
     assert answered == set(SERVICE), answered  # least connections spreads requests over every host
     for address in SERVICE.values():  # and each host's own front answers too
-        assert ask("http://%s:8100" % address).status_code == 200
+        assert ask("https://%s:8100" % address).status_code == 200
 
 
 def test_a_second_run_changes_nothing_and_drains_nothing(hosts, workdir, tiny_model, torch_wheel, deployed):
@@ -253,7 +268,7 @@ def test_a_broken_model_on_the_second_host_stops_the_rollout_there(hosts, workdi
     # The canary took the new settings; the third host was never reached and runs the old ones.
     assert "VLSERVE_MAX_PIXELS=50176" in hosts["fleet-1"].ssh("cat /etc/vlserve/vlserve.env").stdout
     assert "VLSERVE_MAX_PIXELS=40000" in hosts["fleet-3"].ssh("cat /etc/vlserve/vlserve.env").stdout
-    assert ask("http://%s:8100" % SERVICE["fleet-3"]).status_code == 200
+    assert ask("https://%s:8100" % SERVICE["fleet-3"]).status_code == 200
     # The failed host stays drained, the front routes around it, and no client request failed.
     intervals = out_of_service(events)
     assert intervals["fleet-2"][-1][1] == float("inf"), events
