@@ -413,7 +413,7 @@ def test_an_int8_engine_answers(tmp_path, dtype):
         engine.shutdown()
 
 
-def test_without_x86_kernels_the_engine_falls_back_and_answers(tmp_path, monkeypatch):
+def test_without_x86_kernels_the_engine_falls_back_and_answers(tmp_path, monkeypatch, stock_kernels):
     """On a CPU without oneDNN's bf16 and int8 kernels (an Arm server), what asks for them loads the
     plain path instead of crashing: the capability checks answer as such a CPU would."""
     monkeypatch.setattr(vlserve.model.loader, "packing_supported", lambda dtype: False)
@@ -422,7 +422,12 @@ def test_without_x86_kernels_the_engine_falls_back_and_answers(tmp_path, monkeyp
     assert run_tool("vlserve", "make-test-model", str(directory), "--dtype", "bfloat16").returncode == 0
     engine = Engine(
         ModelSettings(
-            model=directory, dtype="bfloat16", packed_weights=True, vision_dtype="int8", prefill_dtype="int8"
+            model=directory,
+            dtype="bfloat16",
+            packed_weights=True,
+            vision_dtype="int8",
+            prefill_dtype="int8",
+            native_kernels=stock_kernels,  # nor vlserve's own (x86 only): else AVX-512 BF16 takes the weights
         ),
         LimitSettings(max_batch_size=2, max_context_tokens=1024, request_timeout_s=30),
     )
