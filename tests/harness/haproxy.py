@@ -32,7 +32,11 @@ def haproxy_binary() -> tuple[pathlib.Path, dict[str, str]]:
     if not binary.exists():
         downloads = CACHE / "haproxy-debs"
         downloads.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["apt-get", "download", *PACKAGES], cwd=downloads, check=True, capture_output=True)
+        download = ["apt-get", "download", *PACKAGES]
+        if subprocess.run(download, cwd=downloads, capture_output=True, check=False).returncode != 0:
+            # A fresh machine may have no package lists yet (the setup updates them only to install).
+            subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True)
+            subprocess.run(download, cwd=downloads, check=True, capture_output=True)
         staging = ROOT.with_suffix(".partial")
         shutil.rmtree(staging, ignore_errors=True)
         for deb in sorted(downloads.glob("*.deb")):
