@@ -205,7 +205,7 @@ def test_a_client_over_its_concurrency_gets_429_while_its_stream_goes_on(fronted
 
     def long_stream():
         with httpx.stream(
-            "POST", fronted["url"] + "/v1/chat/completions", json=chat(max_tokens=60, stream=True),
+            "POST", fronted["url"] + "/v1/chat/completions", json=chat(max_tokens=200, stream=True),
             headers={"Authorization": "Bearer " + KEYS["alice"]}, verify=fronted["trust"], timeout=120,
         ) as response:  # fmt: skip
             streamed["status"] = response.status_code
