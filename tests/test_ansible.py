@@ -19,6 +19,7 @@ import yaml
 from conftest import REPO, TOPOLOGIES, run_tool
 from vlserve import sizing
 from vlserve.ops.audit import TUNING_FILES
+from vlserve.sizing import contract
 
 
 def playbook(*args, check=True):
@@ -149,3 +150,8 @@ def test_unknown_deploy_settings_stop_the_audit_before_anything_else():
     result = playbook("playbooks/audit.yml", "-e", json.dumps({"vlserve_deploy_settings": {"max_pixelz": 1}}))
     assert result.returncode == 2, result.stdout
     assert "vlserve_deploy_settings.max_pixelz is not a setting" in result.stdout
+
+
+def test_the_audit_and_the_play_share_the_certificate_renewal_margin():
+    defaults = yaml.safe_load((REPO / "roles/vlserve_credentials/defaults/main.yml").read_text())
+    assert defaults["vlserve_credentials_renew_days"] == contract.CERTIFICATE_RENEW_DAYS

@@ -3,7 +3,10 @@ or the zramctl unit): rendered from the roles' own templates into a scratch root
 
 from __future__ import annotations
 
+import calendar
 import pathlib
+import subprocess
+import time
 
 import jinja2
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from conftest import REPO, load_topology
 from vlserve import sizing
 from vlserve.ops import audit
+from vlserve.sizing import contract
 
 MEMORY_TEMPLATES = REPO / "roles" / "vlserve_memory" / "templates"
 
@@ -82,3 +86,36 @@ def test_memory_headroom_names_the_pressure_of_other_processes():
     # What the workers hold themselves is theirs to use, not pressure.
     facts["limits"]["vlserve_slice_bytes"] = 2 * sizing.GIB
     assert audit.memory_headroom(facts, plan)["status"] == "ok"
+
+
+def self_signed(directory: pathlib.Path, days: int) -> str:
+    """A front's PEM as the roles install it: the certificate, then its private key."""
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", str(days), "-subj", "/CN=front"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ends = subprocess.run(
+        ["openssl", "x509", "-noout", "-enddate", "-dateopt", "iso_8601", "-in", str(cert)],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    return cert.read_text() + key.read_text(), ends.split("=", 1)[1].strip()
+
+
+@pytest.mark.parametrize("days", [400, 10, 20000])  # 20000 days: past 2050, a GeneralizedTime
+def test_each_front_certificate_shows_its_end_and_drifts_within_the_renewal_margin(root, tmp_path, days):
+    pem, ends = self_signed(tmp_path, days)
+    write(root, contract.FRONT_PEM, pem)
+    write(root, contract.FLEET_CLIENT_PEM, "not a certificate\n")
+    tuning = audit.probe_tuning(str(root))
+    assert tuning["certificates"][contract.FRONT_PEM] == calendar.timegm(time.strptime(ends, "%Y-%m-%d %H:%M:%SZ"))
+    assert set(tuning["certificates"]) == {contract.FRONT_PEM, contract.FLEET_CLIENT_PEM}  # no fleet.pem here
+    rows = {row["current"]["file"]: row for row in audit.certificates(tuning)}
+    front = rows[contract.FRONT_PEM]
+    assert front["current"]["not_after"] == ends[:10] and abs(front["current"]["days_left"] - days) <= 1
+    assert front["status"] == ("drift" if days < contract.CERTIFICATE_RENEW_DAYS else "ok"), front
+    assert rows[contract.FLEET_CLIENT_PEM]["status"] == "drift"  # unreadable: said, not skipped
+    later = dict(tuning, probed_at=tuning["probed_at"] + (days + 1) * 86400)
+    expired = {row["current"]["file"]: row for row in audit.certificates(later)}[contract.FRONT_PEM]
+    assert expired["status"] == "drift" and "expired" in expired["why"]

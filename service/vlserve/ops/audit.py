@@ -7,11 +7,14 @@ file is shipped to targets as Ansible module_utils: standard library only, one f
 
 from __future__ import annotations
 
+import base64
+import calendar
 import configparser
 import glob
 import os
 import re
 import shutil
+import time
 from typing import Any
 
 try:  # In the vlserve package, and as Ansible module_utils next to vlserve_sizing.
@@ -119,7 +122,48 @@ def probe_tuning(root: str = "/") -> dict[str, Any]:
         "numactl": shutil.which("numactl") is not None
         if root == "/"
         else os.path.exists(os.path.join(root, "usr/bin/numactl")),
+        "certificates": {
+            path: _certificate_not_after(_read(root, path))
+            for path in sizing.contract.FRONT_CERTIFICATES
+            if os.path.exists(os.path.join(root, path.lstrip("/")))
+        },
+        "probed_at": int(time.time()),
     }
+
+
+def _certificate_not_after(pem: str | None) -> int | None:
+    """The end of validity (Unix time) of the first certificate in a PEM file (the fronts' PEMs also
+    hold their private key, which is never read past its header), or None where there is none.
+
+    A few lines of DER walking rather than a dependency: the audit runs on hosts with nothing installed.
+    """
+    match = re.search(r"-----BEGIN CERTIFICATE-----(.*?)-----END CERTIFICATE-----", pem or "", re.S)
+    if not match:
+        return None
+    try:
+        der = base64.b64decode("".join(match.group(1).split()))
+
+        def element(offset: int) -> tuple[int, int, int]:  # (tag, start of contents, end)
+            tag, length, offset = der[offset], der[offset + 1], offset + 2
+            if length & 0x80:
+                count = length & 0x7F
+                length, offset = int.from_bytes(der[offset : offset + count], "big"), offset + count
+            return tag, offset, offset + length
+
+        _, tbs, _ = element(element(0)[1])  # Certificate -> TBSCertificate's contents
+        offset = tbs
+        if der[offset] == 0xA0:  # [0] version
+            offset = element(offset)[2]
+        for _ in range(3):  # serialNumber, signature, issuer
+            offset = element(offset)[2]
+        _, validity, _ = element(offset)
+        _, start, end = element(element(validity)[2])  # notBefore, then notAfter
+        text = der[start:end].decode("ascii").rstrip("Z")
+        if len(text) == 12:  # UTCTime, YYMMDDHHMMSS: years 1950-2049
+            text = ("19" if int(text[:2]) >= 50 else "20") + text
+        return calendar.timegm(time.strptime(text, "%Y%m%d%H%M%S"))
+    except (ValueError, IndexError):
+        return None
 
 
 def _row(knob: str, current: Any, desired: Any, status: str, why: str) -> dict[str, Any]:
@@ -213,6 +257,31 @@ def audit(facts: dict[str, Any], plan: dict[str, Any], tuning: dict[str, Any]) -
     add("openmp_runtime", {"libgomp": tuning["libgomp"], "numactl": tuning["numactl"]})
     add("wsl", {"systemd": tuning["wsl_systemd"]}, (tuning["wsl_systemd"] or "").lower() == "true")
     rows.append(memory_headroom(facts, plan))
+    rows.extend(certificates(tuning))
+    return rows
+
+
+def certificates(tuning: dict[str, Any]) -> list[dict[str, Any]]:
+    """Not knobs either: one row per front certificate on the host, drift within the renewal margin
+    (the next play signs the private CA's again; an operator's needs the operator)."""
+    rows = []
+    margin = sizing.contract.CERTIFICATE_RENEW_DAYS
+    for path, not_after in sorted(tuning.get("certificates", {}).items()):
+        if not_after is None:
+            rows.append(_row("certificate", {"file": path}, {"days_left": ">= %d" % margin}, "drift", "unreadable"))
+            continue
+        days = (not_after - tuning["probed_at"]) // 86400
+        ends = time.strftime("%Y-%m-%d", time.gmtime(not_after))
+        why = "%s ends on %s" % (os.path.basename(path), ends)
+        if days < margin:
+            why += ": %s within %d days; the next play renews one the private CA signed" % (
+                "expired" if days < 0 else "ends",
+                margin,
+            )
+        current = {"file": path, "not_after": ends, "days_left": days}
+        rows.append(
+            _row("certificate", current, {"days_left": ">= %d" % margin}, "ok" if days >= margin else "drift", why)
+        )
     return rows
 
 
