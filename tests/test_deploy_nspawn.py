@@ -147,7 +147,12 @@ def test_the_front_answers_a_question_about_an_image(deployed, host_vars):
 
 
 def test_the_workers_follow_the_plan(guest, workdir, deployed, host_vars):
-    plan = audit(guest, workdir, **host_vars)["plan"]
+    report = audit(guest, workdir, **host_vars)
+    plan = report["plan"]
+    # The audit sees the front serve over TLS, and its certificate's end, months away.
+    assert report["serving"] == "ready", report["serving"]
+    certificate = next(row for row in report["knobs"] if row["knob"] == "certificate")
+    assert certificate["current"]["file"] == "/etc/vlserve/tls/front.pem" and certificate["status"] == "ok", certificate
     assert len(plan["worker_list"]) == 2, "the rolling-restart tests need two workers: " + plan["workers"]["why"]
     assert guest.ssh("systemctl is-active vlserve.target").stdout.strip() == "active"
     running = guest.ssh("systemctl list-units --state=running --no-legend 'vlserve@*.service'").stdout
@@ -192,12 +197,6 @@ def test_the_page_and_the_status_through_the_front_show_the_plan_and_which_worke
     assert len(names) == 2  # the front spreads them: the page says which worker answered
 
 
-def test_second_run_changes_nothing(guest, workdir, deployed, host_vars):
-    result = play(guest, workdir, "site.yml", **host_vars)
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert recap(result)["changed"] == 0, result.stdout[-6000:]
-
-
 def main_pids(guest, plan) -> dict[int, str]:
     show = "systemctl show -p MainPID --value vlserve@%d.service"
     return {worker["index"]: guest.ssh(show % worker["index"]).stdout.strip() for worker in plan["worker_list"]}
@@ -207,9 +206,9 @@ def headroom(report) -> dict:
     return next(row for row in report["knobs"] if row["knob"] == "memory_headroom")
 
 
-def test_a_neighbour_taking_memory_restarts_nothing_and_the_audit_names_it(guest, workdir, deployed, host_vars):
-    """The plan is sized from capacity: another process growing between two runs changes no file
-    and restarts no worker; the audit reports the pressure instead."""
+def test_a_second_run_changes_nothing_even_with_a_neighbour_taking_memory(guest, workdir, deployed, host_vars):
+    """The plan is sized from capacity: a second run changes nothing and restarts no worker, even with
+    another process grown since the first; the audit reports the pressure instead."""
     report = audit(guest, workdir, **host_vars)
     pids = main_pids(guest, report["plan"])
     row = headroom(report)
@@ -512,8 +511,7 @@ def test_the_front_enforces_the_upload_limit_and_the_clients_keys(guest, workdir
         assert guest.ssh("grep -rlF %s /etc /opt/vlserve /var/lib/vlserve" % key, check=False).stdout == ""
     modes = guest.ssh("stat -c '%a %U %G' /etc/vlserve/clients.map /etc/vlserve/tls/front.pem").stdout.split("\n")
     assert modes[:2] == ["640 root haproxy", "640 root haproxy"]
-    assert play(guest, workdir, "site.yml", **host_vars).returncode == 0
-    assert get(host_vars, "/v1/models").status_code == 200
+    # (The host keeps these keys: the test after this one fails its plays before any change.)
 
 
 def test_a_bad_certificate_fails_the_play_before_any_change_naming_the_file(guest, workdir, deployed, host_vars):

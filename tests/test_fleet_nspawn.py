@@ -8,6 +8,11 @@ first, then one host at a time, each drained and back before the next, with no f
 client looping through the fleet front; a broken model on the second host stops the rollout there,
 the third keeps its old settings and the front routes around the drained host; a host that loses
 power leaves the front within its checks.
+
+Exposure (docs/exposing.md) on the way: the fleet front speaks TLS 1.2/1.3 to curl and the openai
+client, each host front answers only the fleet front's client certificate, two clients' keys with
+their own limits keep one from slowing the other, the workers count each client's usage, and a new
+key set and new certificates are taken under a looping client without a failed request.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import socket
 import ssl
+import statistics
 import subprocess
 import threading
 import time
+import warnings
 
 import httpx
+import openai
 import pytest
 
 from harness import nspawn
@@ -64,9 +73,15 @@ while time.time() < end:
 """
 
 
-# The private CA and the default client's key the play made next to the inventory: every request of
-# these tests trusts the fronts through the one and carries the other.
+# The private CA the play made next to the inventory: every request of these tests trusts the fronts
+# through it.
 CREDENTIALS: dict = {}
+# The fleet's two clients (vlserve_clients): "steady" asks, "flood" floods at most one request at a
+# time. The rotation test gives flood a new key: every later run deploys the set as it is then.
+CLIENTS = [
+    {"name": "steady", "key": "vls-steady-" + "s" * 40},
+    {"name": "flood", "key": "vls-flood-" + "f" * 40, "limits": {"concurrent": 1}},
+]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +115,7 @@ def fleet_vars(tiny_model, torch_wheel, **overrides) -> dict:
         # The rollout is under test here, not the kernels (the deploy tier builds them): no compiler
         # install and build on every host of the fleet.
         "vlserve_deploy_native_kernels": False,
+        "vlserve_clients": [dict(client) for client in CLIENTS],
         **overrides,
     }
 
@@ -118,15 +134,32 @@ def inventory(workdir, hosts, per_host=None, **common):
     return write_fleet_inventory(workdir, {"vlserve": service, "vlserve_front": front}, **common)
 
 
-def ask(url, timeout=60):
-    key = (CREDENTIALS["dir"] / "default-api-key").read_text().strip()
+def trust(as_fleet_front: bool = False) -> ssl.SSLContext:
+    """The private CA, as a client trusts the fronts; with the fleet front's client certificate (the
+    play made it on the controller), as the fleet front reaches a host."""
+    context = ssl.create_default_context(cafile=str(CREDENTIALS["dir"] / "ca.crt"))
+    if as_fleet_front:
+        stem = CREDENTIALS["dir"] / ("fleet-client-" + FRONT[0])
+        context.load_cert_chain(str(stem.with_suffix(".crt")), str(stem.with_suffix(".key")))
+    return context
+
+
+def key_of(name: str) -> str:
+    return next(client["key"] for client in CLIENTS if client["name"] == name)
+
+
+def ask(url, timeout=60, client="steady", as_fleet_front=False):
     return httpx.post(
         url + "/v1/chat/completions",
         json=image_question(png_bytes(), max_tokens=2),
-        headers={"Authorization": "Bearer " + key},
-        verify=ssl.create_default_context(cafile=str(CREDENTIALS["dir"] / "ca.crt")),
+        headers={"Authorization": "Bearer " + key_of(client)},
+        verify=trust(as_fleet_front),
         timeout=timeout,
     )
+
+
+def host_front(name: str) -> str:
+    return "https://%s:8100" % SERVICE[name]
 
 
 class Client(threading.Thread):
@@ -202,8 +235,37 @@ def test_site_over_the_fleet_serves_through_the_fleet_front(hosts, deployed):
         assert response.status_code == 200, response.text
         answered.add(response.headers["x-vlserve-host"])
     assert answered == set(SERVICE), answered  # least connections spreads requests over every host
-    for address in SERVICE.values():  # and each host's own front answers too
-        assert ask("https://%s:8100" % address).status_code == 200
+    for name in SERVICE:  # each host's own front answers the fleet front's certificate, and no one else
+        assert ask(host_front(name), as_fleet_front=True).status_code == 200
+        with pytest.raises(httpx.TransportError):
+            ask(host_front(name))
+
+
+def test_clients_reach_the_fleet_front_over_tls_1_2_or_1_3_only(deployed, workdir):
+    client = openai.OpenAI(
+        base_url=FLEET_URL + "/v1", api_key=key_of("steady"), http_client=httpx.Client(verify=trust())
+    )
+    answer = client.chat.completions.create(
+        model="qwen3-vl-2b-instruct", messages=[{"role": "user", "content": "Say hello."}], max_tokens=2
+    )
+    assert answer.choices[0].message.content is not None
+    config = workdir / "curl-headers"  # the key in a file curl reads, not on a command line
+    config.write_text("Authorization: Bearer %s\n" % key_of("steady"))
+    config.chmod(0o600)
+    curl = subprocess.run(
+        ["curl", "-sS", "--fail-with-body", "--tlsv1.2", "--cacert", str(CREDENTIALS["dir"] / "ca.crt"),
+         "-H", "@" + str(config), FLEET_URL + "/v1/models"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert curl.returncode == 0 and json.loads(curl.stdout)["data"], curl.stdout + curl.stderr
+    old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # allowed to offer TLS 1.0/1.1: the refusal is the front's
+    old.check_hostname, old.verify_mode = False, ssl.CERT_NONE
+    old.set_ciphers("ALL:@SECLEVEL=0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old.minimum_version, old.maximum_version = ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1
+    with socket.create_connection((FRONT[1], 8100), timeout=10) as raw, pytest.raises(ssl.SSLError):
+        old.wrap_socket(raw, server_hostname=FRONT[1])
 
 
 def test_a_second_run_changes_nothing_and_drains_nothing(hosts, workdir, tiny_model, torch_wheel, deployed):
@@ -216,6 +278,122 @@ def test_a_second_run_changes_nothing_and_drains_nothing(hosts, workdir, tiny_mo
     # Every host converged in the first play, at once: no host rolls out, so no batch runs at all.
     batches = result.stdout.split("PLAY [Roll out the hosts that change, one batch at a time]", 1)[1]
     assert batches.split("\n", 2)[1].strip() == "skipping: no hosts matched", batches[:2000]
+
+
+def time_to_first_token(client: str) -> float:
+    """One streamed question through the fleet front, as a chat client sees it."""
+    body = {
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    with httpx.stream(
+        "POST", FLEET_URL + "/v1/chat/completions", json=body, timeout=60, verify=trust(),
+        headers={"Authorization": "Bearer " + key_of(client)},
+    ) as response:  # fmt: skip
+        assert response.status_code == 200, response.read()
+        first = None
+        for line in response.iter_lines():  # to its end: the next question starts on an idle fleet
+            if (
+                first is None
+                and line.startswith("data: {")
+                and json.loads(line[6:])["choices"][0]["delta"].get("content")
+            ):
+                first = time.perf_counter() - started
+    assert first is not None
+    return first
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"p50": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def client_requests(hosts, client: str, outcome: str = "ok") -> float:
+    """What every worker of the fleet counted for a client (vlserve_client_requests_total)."""
+    total = 0.0
+    for name, address in SERVICE.items():
+        plan = json.loads(hosts[name].ssh("cat /etc/vlserve/plan.json").stdout)
+        for worker in plan["worker_list"]:
+            metrics = httpx.get("http://%s:%d/metrics" % (address, worker["port"]), timeout=10).text
+            wanted = 'vlserve_client_requests_total{client="%s",outcome="%s"} ' % (client, outcome)
+            total += sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(wanted))
+    return total
+
+
+def served_serial(address: str, as_fleet_front: bool = False) -> int:
+    with (
+        socket.create_connection((address, 8100), timeout=10) as raw,
+        trust(as_fleet_front).wrap_socket(raw, server_hostname=address) as tls,
+    ):
+        return int(tls.getpeercert()["serialNumber"], 16)
+
+
+def test_two_clients_keep_their_limits_apart_are_counted_and_a_rotation_fails_nothing(
+    hosts, workdir, tiny_model, torch_wheel, deployed
+):
+    """ "flood" (one request at a time) floods from four threads while "steady" asks: flood gets 429s,
+    steady's time to first token stays near its solo figure (same run), and the workers count each
+    client's requests as sent. Then a new key for flood and every certificate signed again, under a
+    client looping through the fleet front: no failed request, no host drained."""
+    steady_before, flood_before = client_requests(hosts, "steady"), client_requests(hosts, "flood")
+    time_to_first_token("steady")  # warm: every worker has answered a text question once
+    solo = [time_to_first_token("steady") for _ in range(8)]
+    statuses, stop = [], threading.Event()
+
+    def flood():
+        with httpx.Client(verify=trust(), timeout=60, headers={"Authorization": "Bearer " + key_of("flood")}) as http:
+            while not stop.is_set():
+                body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 32, "ignore_eos": True}
+                status = http.post(FLEET_URL + "/v1/chat/completions", json=body).status_code
+                statuses.append(status)
+                if status == 429:
+                    time.sleep(0.05)  # an eager client, not a tight loop of this test's own CPU
+
+    floods = [threading.Thread(target=flood) for _ in range(4)]
+    for thread in floods:
+        thread.start()
+    time.sleep(2)
+    flooded = [time_to_first_token("steady") for _ in range(8)]
+    stop.set()
+    for thread in floods:
+        thread.join(90)
+    record(
+        client_isolation_ttft_s={
+            "steady_alone": spread(solo),
+            "steady_under_flood": spread(flooded),
+            "flood_answered": statuses.count(200),
+            "flood_refused": statuses.count(429),
+        }
+    )
+    assert set(statuses) <= {200, 429} and statuses.count(429) > 0 and statuses.count(200) > 0, statuses
+    assert statistics.median(flooded) <= 1.5 * statistics.median(solo), (solo, flooded)
+    # Usage: every answered request counted once, for its own client; a refused one never reached a worker.
+    assert client_requests(hosts, "steady") - steady_before == len(solo) + len(flooded) + 1
+    assert client_requests(hosts, "flood") - flood_before == statuses.count(200)
+
+    old_key = key_of("flood")
+    CLIENTS[1]["key"] = "vls-flood-rotated-" + "r" * 40
+    serials = {"fleet": served_serial(FRONT[1]), "fleet-1": served_serial(SERVICE["fleet-1"], as_fleet_front=True)}
+    watch = Watch(hosts[FRONT[0]])
+    client = Client()
+    client.start()
+    renewed = fleet_vars(tiny_model, torch_wheel, vlserve_credentials_renew_days=400)  # all inside the margin
+    result = play_inventory(inventory(workdir, hosts, **renewed), "site.yml")
+    time.sleep(3)
+    outcomes = client.stop()
+    events = watch.stop()
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert old_key not in result.stdout and key_of("flood") not in result.stdout
+    failures = [o for o in outcomes if o[1] != 200]
+    assert len(outcomes) > 5 and not failures, failures
+    assert not out_of_service(events), events  # keys and certificates reload the fronts; nothing drains
+    assert served_serial(FRONT[1]) != serials["fleet"]
+    assert served_serial(SERVICE["fleet-1"], as_fleet_front=True) != serials["fleet-1"]
+    refused = httpx.get(FLEET_URL + "/v1/models", headers={"Authorization": "Bearer " + old_key}, verify=trust())
+    assert refused.status_code == 401
+    assert ask(FLEET_URL, client="flood").status_code == 200
 
 
 def test_a_changed_setting_rolls_out_canary_first_one_host_at_a_time(hosts, workdir, tiny_model, torch_wheel, deployed):
@@ -268,7 +446,7 @@ def test_a_broken_model_on_the_second_host_stops_the_rollout_there(hosts, workdi
     # The canary took the new settings; the third host was never reached and runs the old ones.
     assert "VLSERVE_MAX_PIXELS=50176" in hosts["fleet-1"].ssh("cat /etc/vlserve/vlserve.env").stdout
     assert "VLSERVE_MAX_PIXELS=40000" in hosts["fleet-3"].ssh("cat /etc/vlserve/vlserve.env").stdout
-    assert ask("https://%s:8100" % SERVICE["fleet-3"]).status_code == 200
+    assert ask(host_front("fleet-3"), as_fleet_front=True).status_code == 200
     # The failed host stays drained, the front routes around it, and no client request failed.
     intervals = out_of_service(events)
     assert intervals["fleet-2"][-1][1] == float("inf"), events

@@ -55,6 +55,36 @@ def self_signed(directory: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     return pem, cert
 
 
+def issue(
+    directory: pathlib.Path, name: str, common_name: str, usage: str, ca: pathlib.Path | None = None
+) -> pathlib.Path:
+    """A certificate signed by the CA in `directory` (made by the first call, `ca` None): its chain and
+    key in one PEM, as HAProxy takes it. `usage`: serverAuth (for 127.0.0.1) or clientAuth."""
+    key, cert = directory / (name + ".key"), directory / (name + ".crt")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key)]
+    if ca is None:
+        subprocess.run(
+            ["openssl", "req", "-x509", *ec, "-out", str(cert), "-days", "2", "-subj", "/CN=" + common_name,
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return cert
+    extensions = directory / (name + ".ext")
+    names = "\nsubjectAltName=IP:127.0.0.1" if usage == "serverAuth" else ""
+    extensions.write_text("extendedKeyUsage=%s%s\n" % (usage, names))
+    request = subprocess.run(
+        ["openssl", "req", "-new", *ec, "-subj", "/CN=" + common_name], check=True, capture_output=True
+    ).stdout
+    subprocess.run(
+        ["openssl", "x509", "-req", "-CA", str(ca), "-CAkey", str(ca.with_suffix(".key")), "-days", "2",
+         "-extfile", str(extensions), "-out", str(cert)],
+        input=request, check=True, capture_output=True,
+    )  # fmt: skip
+    pem = directory / (name + ".pem")
+    pem.write_text(cert.read_text() + key.read_text())
+    return pem
+
+
 @pytest.fixture(scope="module")
 def fronted(tiny_model, tmp_path_factory):
     """A worker on the tiny model behind the host front with TLS and the four clients."""
@@ -291,6 +321,82 @@ def test_a_new_key_set_is_taken_by_a_reload_without_a_failed_request(fronted):
         done.set()
         thread.join()
     assert failures == []
+
+
+@pytest.fixture(scope="module")
+def behind_fleet(fronted, tmp_path_factory):
+    """The same worker behind a host front that answers only the fleet front (mutual TLS), and a fleet
+    front before it, with certificates from one private CA, as the roles make them."""
+    work = tmp_path_factory.mktemp("fleet")
+    ca = issue(work, "ca", "test private CA", "")
+    pems = {
+        "host": issue(work, "host", "127.0.0.1", "serverAuth", ca),
+        "fleet": issue(work, "fleet", "127.0.0.1", "serverAuth", ca),
+        "client": issue(work, "client", units.FLEET_CLIENT_CN + " f1", "clientAuth", ca),
+        "stranger": issue(work, "stranger", "someone else", "clientAuth", ca),
+    }
+    keys = work / "keys.yml"
+    keys.write_text(yaml.safe_dump(KEY_FILE))
+    host_port, fleet_port = free_port(), free_port()
+    host_tree, fleet_tree = work / "host", work / "front"
+    rendered = run_tool(
+        "vlserve", "render-units", "--out", str(host_tree), "--facts", str(FACTS), "--max-workers", "1",
+        "--base-port", str(fronted["worker"].port), "--front-port", str(host_port), "--front-bind", "127.0.0.1",
+        "--clients", str(keys), "--tls-pem", str(pems["host"]), "--fleet-ca", str(ca),
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    fleet_rendered = run_tool(
+        "vlserve", "render-fleet", "--out", str(fleet_tree), "--backend", "h1=127.0.0.1:%d" % host_port,
+        "--port", str(fleet_port), "--bind", "127.0.0.1", "--clients", str(keys), "--tls-pem", str(pems["fleet"]),
+        "--backend-ca", str(ca), "--client-pem", str(pems["client"]), "--check-interval-s", "1",
+    )  # fmt: skip
+    assert fleet_rendered.returncode == 0, fleet_rendered.stderr
+    as_fleet = ssl.create_default_context(cafile=str(ca))
+    as_fleet.load_cert_chain(str(pems["client"]))
+    host = Front(host_tree, units.CONFIG_FILES["haproxy.cfg.j2"]).start(
+        "https://127.0.0.1:%d/readyz" % host_port, ca=as_fleet
+    )
+    trust = ssl.create_default_context(cafile=str(ca))
+    fleet = Front(fleet_tree, units.FLEET_FILES["fleet-haproxy.cfg.j2"]).start(
+        "https://127.0.0.1:%d/readyz" % fleet_port, ca=trust
+    )
+    yield {
+        "ca": ca,
+        "pems": pems,
+        "trust": trust,
+        "host": "https://127.0.0.1:%d" % host_port,
+        "fleet": "https://127.0.0.1:%d" % fleet_port,
+        "socket": host_tree / units.LOCAL_SOCKET.lstrip("/"),
+    }
+    fleet.stop()
+    host.stop()
+
+
+def test_behind_a_fleet_front_a_host_answers_only_the_fleet_front_and_itself(behind_fleet):
+    key = {"Authorization": "Bearer " + KEYS["carol"]}
+    deadline = time.monotonic() + 20
+    while (
+        through := httpx.get(behind_fleet["fleet"] + "/v1/models", headers=key, verify=behind_fleet["trust"])
+    ).status_code == 503:
+        assert time.monotonic() < deadline, "the fleet front never found the host up"
+        time.sleep(0.5)  # its first health check, over mutual TLS
+    assert through.status_code == 200, through.text
+    # Straight to the host: without a client certificate, or with a server's certificate of the same
+    # CA (another front's), the handshake fails; a client certificate of the CA with another name, 403.
+    for pem in (None, behind_fleet["pems"]["host"]):
+        context = ssl.create_default_context(cafile=str(behind_fleet["ca"]))
+        if pem:
+            context.load_cert_chain(str(pem))
+        with pytest.raises(httpx.TransportError):
+            httpx.get(behind_fleet["host"] + "/v1/models", headers=key, verify=context, timeout=10)
+    stranger = ssl.create_default_context(cafile=str(behind_fleet["ca"]))
+    stranger.load_cert_chain(str(behind_fleet["pems"]["stranger"]))
+    refused = httpx.get(behind_fleet["host"] + "/v1/models", headers=key, verify=stranger, timeout=10)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "fleet_front_only"
+    # The host itself, on the local socket: plain HTTP, the keys still checked.
+    local = httpx.Client(transport=httpx.HTTPTransport(uds=str(behind_fleet["socket"])), timeout=10)
+    assert local.get("http://localhost/v1/models", headers=key).status_code == 200
+    assert local.get("http://localhost/v1/models").status_code == 401
 
 
 def test_render_refuses_a_front_beyond_loopback_without_tls_and_keys(tmp_path):

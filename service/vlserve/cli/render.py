@@ -14,6 +14,7 @@ from vlserve.cli.common import (
     load_facts,
     policy_from_args,
 )
+from vlserve.sizing.contract import FLEET_CLIENT_CN
 
 # The package's data: in a checkout, links to the repository's templates/ and the two roles' defaults;
 # in the wheel (scripts/release), copies of them. So these commands work from an installed release.
@@ -75,7 +76,15 @@ def _read_pem(path: str, key: bool = True) -> str:
 
 def cmd_render_units(args: argparse.Namespace) -> int:
     """The deploy role's files, rendered from the same templates and context, for hosts without Ansible."""
-    from vlserve.ops.units import FRONT_PEM, PLAN_FILE, PRIVATE_FILES, exposure_problem, render_all, units_context  # noqa: PLC0415
+    from vlserve.ops.units import (  # noqa: PLC0415
+        FLEET_CLIENTS_CA,
+        FRONT_PEM,
+        PLAN_FILE,
+        PRIVATE_FILES,
+        exposure_problem,
+        render_all,
+        units_context,
+    )
 
     facts = load_facts(args.facts)
     try:
@@ -92,12 +101,17 @@ def cmd_render_units(args: argparse.Namespace) -> int:
         if getattr(args, "deploy_" + name) is not None:
             options[name] = getattr(args, "deploy_" + name)
     extra = _front_options(args, options, "front_", FRONT_PEM)
+    options["front_fleet_only"] = bool(args.fleet_ca)
+    if args.fleet_ca:
+        if not args.tls_pem:
+            raise BadInput("--fleet-ca needs --tls-pem: the front checks the fleet front's certificate over TLS")
+        extra[FLEET_CLIENTS_CA] = _read_pem(args.fleet_ca, key=False)
     context = units_context(result, options)
     problem = exposure_problem(context["front"])
     if problem:
         raise BadInput(problem + " (--tls-pem, --clients, --front-bind, --insecure)")
     files = render_all(pathlib.Path(args.templates), context, MANAGED)
-    _write_tree(args.out, files | extra | {PLAN_FILE: sizing.dumps(result) + "\n"}, PRIVATE_FILES | set(extra))
+    _write_tree(args.out, files | extra | {PLAN_FILE: sizing.dumps(result) + "\n"}, PRIVATE_FILES | {FRONT_PEM})
     print(
         "%d worker(s); copy the tree to / on the host, then: systemctl daemon-reload && "
         "systemctl enable --now vlserve.target" % len(result["worker_list"]),
@@ -125,6 +139,7 @@ def cmd_render_fleet(args: argparse.Namespace) -> int:
     """The vlserve_front role's files for a fleet front, from the same templates and context."""
     from vlserve.ops.units import (  # noqa: PLC0415
         FLEET_BACKEND_CA,
+        FLEET_CLIENT_PEM,
         FLEET_PEM,
         PRIVATE_FILES,
         exposure_problem,
@@ -141,12 +156,17 @@ def cmd_render_fleet(args: argparse.Namespace) -> int:
     if args.backend_ca:
         extra[FLEET_BACKEND_CA] = _read_pem(args.backend_ca, key=False)
         backends = [dict(backend, tls=True) for backend in backends]
+    options["client_certificate"] = bool(args.client_pem)
+    if args.client_pem:
+        if not args.backend_ca:
+            raise BadInput("--client-pem needs --backend-ca: the fleet front shows it to hosts it reaches over TLS")
+        extra[FLEET_CLIENT_PEM] = _read_pem(args.client_pem)
     context = fleet_context(backends, options)
     problem = exposure_problem(context["front"])
     if problem:
         raise BadInput(problem + " (--tls-pem, --clients, --bind, --insecure)")
     files = render_fleet(pathlib.Path(args.templates), context, MANAGED)
-    _write_tree(args.out, files | extra, PRIVATE_FILES | {FLEET_PEM})
+    _write_tree(args.out, files | extra, PRIVATE_FILES | {FLEET_PEM, FLEET_CLIENT_PEM})
     print(
         "%d host(s) behind port %d; copy the tree to / on the front host, then: systemctl daemon-reload && "
         "systemctl enable --now vlserve-fleet.service" % (len(args.backend), context["front"]["port"]),
@@ -183,6 +203,13 @@ def add_commands(commands) -> None:
     render.add_argument("--front-port", dest="deploy_front_port", type=int, help="port of the front")
     render.add_argument("--front-bind", dest="deploy_front_bind", help="address the front listens on")
     _add_front_flags(render)
+    render.add_argument(
+        "--fleet-ca",
+        dest="fleet_ca",
+        metavar="FILE",
+        help="behind a fleet front: answer on TCP only to a client certificate from this CA (PEM) whose name "
+        "starts with %r, and to this host on a local socket" % FLEET_CLIENT_CN,
+    )
     render.add_argument("--user", dest="deploy_user", help="user the workers run as")
     render.add_argument("--install-dir", dest="deploy_install_dir", help="where the service's venv is")
     add_policy_flags(render)
@@ -209,6 +236,12 @@ def add_commands(commands) -> None:
         dest="backend_ca",
         metavar="FILE",
         help="the CA (PEM) that signed the hosts' fronts: the fleet front reaches them over TLS, checked against it",
+    )
+    fleet.add_argument(
+        "--client-pem",
+        dest="client_pem",
+        metavar="FILE",
+        help="the fleet front's client certificate and key (one PEM) for hosts rendered with --fleet-ca",
     )
     fleet.add_argument("--templates", default=str(TEMPLATES), help="the templates directory (default: %(default)s)")
     fleet.set_defaults(handler=cmd_render_fleet)

@@ -11,6 +11,15 @@ import pathlib
 from typing import Any
 
 from vlserve.ops.clients import MAX_AUTHORIZATION_CHARS, front_clients
+from vlserve.sizing.contract import (
+    FLEET_BACKEND_CA,
+    FLEET_CLIENT_CN,
+    FLEET_CLIENT_PEM,
+    FLEET_CLIENTS_CA,
+    FLEET_PEM,
+    FRONT_PEM,
+    TLS_DIR,
+)
 
 CONFIG_DIR = "/etc/vlserve"
 UNIT_DIR = "/etc/systemd/system"
@@ -29,12 +38,10 @@ CONFIG_FILES = {
 # Files only the front's user may read (owner root, group haproxy, 0640): the clients' digests and
 # limits, the front's certificate with its private key. Every other file is 0644.
 PRIVATE_FILES = {CONFIG_DIR + "/clients.map", CONFIG_DIR + "/fleet-clients.map"}
-# The front's certificate, its chain and its private key in one PEM (HAProxy's `crt`), and the CA
-# that signed the host fronts' certificates (what the fleet front checks them against).
-TLS_DIR = CONFIG_DIR + "/tls"
-FRONT_PEM = TLS_DIR + "/front.pem"
-FLEET_PEM = TLS_DIR + "/fleet.pem"
-FLEET_BACKEND_CA = TLS_DIR + "/fleet-backends-ca.crt"
+# The fronts' TLS files (sizing/contract.py names them for the audit too). With a fleet front, a
+# host front answers on TCP only to the fleet front's client certificate, and on LOCAL_SOCKET to
+# the host itself (the play's own test question, the audit).
+LOCAL_SOCKET = "/run/vlserve-front/local.sock"
 # Per plan worker: its environment and its systemd drop-in (CPUs, memory limits).
 WORKER_FILES = {
     "worker.env.j2": CONFIG_DIR + "/worker-{index}.env",
@@ -176,8 +183,23 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
             _front(options, "front_", FRONT_PEM, CONFIG_FILES["clients.map.j2"]),
             # Where this host reaches its own front (checks, the play's test question).
             local_address="127.0.0.1" if options["front_bind"] in ("0.0.0.0", "::") else options["front_bind"],
+            fleet_only=_fleet_only(options),
         ),
         "error_pages": _error_pages(),
+    }
+
+
+def _fleet_only(options: dict[str, Any]) -> dict[str, Any] | None:
+    """Behind a fleet front, a host front serves TCP only to the fleet front's client certificate
+    (mutual TLS: an address can be shared behind NAT or spoofed on a LAN, a key cannot) and its own
+    host on a local socket. Needs TLS: without it there is nothing to verify a client with."""
+    if not (_truthy(options.get("front_fleet_only", False)) and _truthy(options.get("front_tls", False))):
+        return None
+    return {
+        "ca": FLEET_CLIENTS_CA,
+        "client_cn": FLEET_CLIENT_CN,
+        "local_socket": LOCAL_SOCKET,
+        "refusal": error_body("this host answers only through the fleet front", "permission_error", "fleet_front_only"),
     }
 
 
@@ -220,7 +242,7 @@ def fleet_backends(hosts: list[str], hostvars: Any) -> list[dict[str, Any]]:
 def fleet_context(backends: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
     """The `vlserve_fleet` variable of the fleet front's templates. `options`: the vlserve_front role's
     variables without their prefix (port, bind, tls, insecure, clients, max_upload_bytes,
-    request_timeout_s, check_interval_s)."""
+    request_timeout_s, check_interval_s), and client_certificate: whether it has one for the hosts."""
     return {
         "config_dir": CONFIG_DIR,
         "files": FLEET_FILES,
@@ -229,6 +251,9 @@ def fleet_context(backends: list[dict[str, Any]], options: dict[str, Any]) -> di
         "backends": backends,
         "tls_dir": TLS_DIR,
         "backend_ca": FLEET_BACKEND_CA,  # what the host fronts' certificates are checked against
+        # The client certificate it shows the host fronts (mutual TLS), where it has one.
+        "client_pem": FLEET_CLIENT_PEM if _truthy(options.get("client_certificate", False)) else None,
+        "client_cn": FLEET_CLIENT_CN,  # its name starts so
         "front": dict(
             _front(options, "", FLEET_PEM, FLEET_FILES["clients.map.j2"]),
             check_interval_s=int(options["check_interval_s"]),

@@ -23,6 +23,21 @@ ENV_PREFIX = "VLSERVE_"
 CLIENT_HEADER = "X-Vlserve-Client"
 CLIENT_NAME = r"^[a-z0-9][a-z0-9_.-]{0,47}$"
 
+# Where the fronts keep their TLS files on a host (the roles install them, the templates name them,
+# the audit reads their expiry). PEMs with a private key are 0640 root:haproxy.
+TLS_DIR = "/etc/vlserve/tls"
+FRONT_PEM = TLS_DIR + "/front.pem"  # a host front's certificate chain and key
+FLEET_PEM = TLS_DIR + "/fleet.pem"  # the fleet front's
+FLEET_BACKEND_CA = TLS_DIR + "/fleet-backends-ca.crt"  # what the fleet front checks host fronts against
+# Mutual TLS between them: the fleet front's client certificate (chain and key), and on each host
+# the CA a client certificate must chain to. Its subject's common name starts with FLEET_CLIENT_CN.
+FLEET_CLIENT_PEM = TLS_DIR + "/fleet-client.pem"
+FLEET_CLIENTS_CA = TLS_DIR + "/fleet-clients-ca.crt"
+FLEET_CLIENT_CN = "vlserve fleet front"
+FRONT_CERTIFICATES = (FRONT_PEM, FLEET_PEM, FLEET_CLIENT_PEM)
+# A certificate with fewer days left is signed again by the play, and the audit calls it drift.
+CERTIFICATE_RENEW_DAYS = 30
+
 # How /readyz, /status and the benchmarks say which kernels serve the products: vlserve's own, at an
 # ISA tier, or torch's with the reason.
 KERNELS_OWN = "vlserve's kernels for "
