@@ -62,6 +62,10 @@ class FilterModule:
             # the service hosts of a group + hostvars -> the fleet front's servers, then its template context
             "vlserve_fleet_backends": lambda hosts, hostvars: _load("ops/units").fleet_backends(hosts, hostvars),
             "vlserve_fleet_context": _load("ops/units").fleet_context,
+            # the fleet fronts + hostvars + the peers port -> the peers that share counters (several fronts)
+            "vlserve_fleet_peers": lambda fronts, hostvars, port: _load("ops/units").fleet_peers(
+                fronts, hostvars, port
+            ),
             # the API's client list -> '' or one line naming the client and its fault (never its key)
             "vlserve_clients_problem": _clients_problem,
             # a front's context -> '' or why it may not listen where it is told to (no TLS or keys)

@@ -332,7 +332,8 @@ def behind_fleet(fronted, tmp_path_factory):
     pems = {
         "host": issue(work, "host", "127.0.0.1", "serverAuth", ca),
         "fleet": issue(work, "fleet", "127.0.0.1", "serverAuth", ca),
-        "client": issue(work, "client", units.FLEET_CLIENT_CN + " f1", "clientAuth", ca),
+        # (as the role makes it: a client certificate, and the peers' own between fleet fronts)
+        "client": issue(work, "client", units.FLEET_CLIENT_CN + " f1", "clientAuth,serverAuth", ca),
         "stranger": issue(work, "stranger", "someone else", "clientAuth", ca),
     }
     keys = work / "keys.yml"
@@ -363,7 +364,9 @@ def behind_fleet(fronted, tmp_path_factory):
     yield {
         "ca": ca,
         "pems": pems,
+        "keys": keys,
         "trust": trust,
+        "host_port": host_port,
         "host": "https://127.0.0.1:%d" % host_port,
         "fleet": "https://127.0.0.1:%d" % fleet_port,
         "socket": host_tree / units.LOCAL_SOCKET.lstrip("/"),
@@ -397,6 +400,57 @@ def test_behind_a_fleet_front_a_host_answers_only_the_fleet_front_and_itself(beh
     local = httpx.Client(transport=httpx.HTTPTransport(uds=str(behind_fleet["socket"])), timeout=10)
     assert local.get("http://localhost/v1/models", headers=key).status_code == 200
     assert local.get("http://localhost/v1/models").status_code == 401
+
+
+def admin(tree: pathlib.Path, command: str) -> str:
+    """A command on a rendered fleet front's runtime socket."""
+    with socket.socket(socket.AF_UNIX) as connection:
+        connection.connect(str(tree / units.FLEET_SOCKET.lstrip("/")))
+        connection.sendall(command.encode() + b"\n")
+        return b"".join(iter(lambda: connection.recv(65536), b"")).decode()
+
+
+def test_two_fleet_fronts_share_each_clients_counters(behind_fleet, tmp_path):
+    """Two fleet fronts over one host, peers of each other: bob's requests per minute (3) count on
+    both, whichever front a request takes."""
+    ports = {name: (free_port(), free_port()) for name in ("f1", "f2")}  # (clients, peers)
+    peers = [arg for name, (_, peer) in ports.items() for arg in ("--peer", "%s=127.0.0.1:%d" % (name, peer))]
+    fronts, trees = {}, {}
+    try:
+        for name, (port, _) in ports.items():
+            trees[name] = tmp_path / name
+            rendered = run_tool(
+                "vlserve", "render-fleet", "--out", str(trees[name]), "--port", str(port), "--bind", "127.0.0.1",
+                "--backend", "h1=127.0.0.1:%d" % behind_fleet["host_port"], "--backend-ca", str(behind_fleet["ca"]),
+                "--client-pem", str(behind_fleet["pems"]["client"]), "--tls-pem", str(behind_fleet["pems"]["fleet"]),
+                "--clients", str(behind_fleet["keys"]), "--peers-ca", str(behind_fleet["ca"]), *peers,
+                "--peer-name", name,
+            )  # fmt: skip
+            assert rendered.returncode == 0, rendered.stderr
+            url = "https://127.0.0.1:%d" % port
+            fronts[name] = Front(trees[name], units.FLEET_FILES["fleet-haproxy.cfg.j2"]).start(
+                url + "/readyz", ca=behind_fleet["trust"]
+            )
+
+        def models(name: str) -> int:
+            url = "https://127.0.0.1:%d/v1/models" % ports[name][0]
+            headers = {"Authorization": "Bearer " + KEYS["bob"]}
+            return httpx.get(url, headers=headers, verify=behind_fleet["trust"], timeout=30).status_code
+
+        deadline = time.monotonic() + 20
+        ready = "https://127.0.0.1:%d/readyz" % ports["f1"][0]
+        while httpx.get(ready, verify=behind_fleet["trust"]).status_code != 200:  # outside /v1/: not counted
+            assert time.monotonic() < deadline, "f1 never found the host up"
+            time.sleep(0.5)
+        assert [models("f1"), models("f1")] == [200, 200]
+        deadline = time.monotonic() + 10
+        while "http_req_rate(60000)=2" not in admin(trees["f2"], "show table vlserve_clients"):
+            assert time.monotonic() < deadline, admin(trees["f2"], "show peers")
+            time.sleep(0.2)
+        assert [models("f2"), models("f2")] == [200, 429]  # the third of the minute passes, the fourth not
+    finally:
+        for front in fronts.values():
+            front.stop()
 
 
 def test_render_refuses_a_front_beyond_loopback_without_tls_and_keys(tmp_path):
@@ -469,3 +523,16 @@ def test_the_fleet_front_as_render_fleet_writes_it_is_a_valid_haproxy_configurat
     assert all("verify" in words and units.FLEET_BACKEND_CA in words for words in servers)
     checked = Front(tree, units.FLEET_FILES["fleet-haproxy.cfg.j2"]).check()
     assert checked.returncode == 0, checked.stderr
+
+
+def test_only_several_fleet_fronts_are_peers_and_each_needs_its_certificate_and_its_name():
+    hostvars = {"f1": {"ansible_host": "10.0.0.1"}, "f2": {"vlserve_fleet_address": "10.0.9.2", "ansible_host": "x"}}
+    assert units.fleet_peers(["f1"], hostvars, 8101) == []
+    peers = units.fleet_peers(["f1", "f2"], hostvars, 8101)
+    assert [(p["name"], p["address"], p["port"]) for p in peers] == [("f1", "10.0.0.1", 8101), ("f2", "10.0.9.2", 8101)]
+    options = {"port": 8100, "bind": "0.0.0.0", "max_upload_bytes": 1, "request_timeout_s": 1, "check_interval_s": 1}
+    options |= {"peers": peers, "peer_name": "f2", "client_certificate": True}
+    assert units.fleet_context([], options)["front"]["peers"]["local"] == "f2"
+    for wrong, message in (({"peer_name": "f3"}, "not one of its peers"), ({"client_certificate": False}, "mutual")):
+        with pytest.raises(ValueError, match=message):
+            units.fleet_context([], options | wrong)

@@ -135,11 +135,21 @@ def _backend(text: str) -> dict:
     }
 
 
+def _peer(text: str) -> dict:
+    """NAME=ADDRESS:PORT, one fleet front among several."""
+    name, _, where = text.partition("=")
+    address, _, port = where.rpartition(":")
+    if not name or not address or not port.isdigit():
+        raise argparse.ArgumentTypeError("expected NAME=ADDRESS:PORT, not %r" % text)
+    return {"name": name, "address": address, "port": int(port)}
+
+
 def cmd_render_fleet(args: argparse.Namespace) -> int:
     """The vlserve_front role's files for a fleet front, from the same templates and context."""
     from vlserve.ops.units import (  # noqa: PLC0415
         FLEET_BACKEND_CA,
         FLEET_CLIENT_PEM,
+        FLEET_CLIENTS_CA,
         FLEET_PEM,
         PRIVATE_FILES,
         exposure_problem,
@@ -161,7 +171,15 @@ def cmd_render_fleet(args: argparse.Namespace) -> int:
         if not args.backend_ca:
             raise BadInput("--client-pem needs --backend-ca: the fleet front shows it to hosts it reaches over TLS")
         extra[FLEET_CLIENT_PEM] = _read_pem(args.client_pem)
-    context = fleet_context(backends, options)
+    if args.peer:
+        if not (args.client_pem and args.peers_ca and args.peer_name):
+            raise BadInput("--peer needs --peer-name, --client-pem and --peers-ca: peers speak mutual TLS")
+        options["peers"], options["peer_name"] = args.peer, args.peer_name
+        extra[FLEET_CLIENTS_CA] = _read_pem(args.peers_ca, key=False)
+    try:
+        context = fleet_context(backends, options)
+    except ValueError as error:
+        raise BadInput(str(error)) from None
     problem = exposure_problem(context["front"])
     if problem:
         raise BadInput(problem + " (--tls-pem, --clients, --bind, --insecure)")
@@ -242,6 +260,20 @@ def add_commands(commands) -> None:
         dest="client_pem",
         metavar="FILE",
         help="the fleet front's client certificate and key (one PEM) for hosts rendered with --fleet-ca",
+    )
+    fleet.add_argument(
+        "--peer",
+        type=_peer,
+        action="append",
+        metavar="NAME=ADDRESS:PORT",
+        help="with several fleet fronts: each one (this one too), which share the clients' counters",
+    )
+    fleet.add_argument("--peer-name", dest="peer_name", metavar="NAME", help="this fleet front's name among --peer")
+    fleet.add_argument(
+        "--peers-ca",
+        dest="peers_ca",
+        metavar="FILE",
+        help="the CA (PEM) of the fleet fronts' client certificates, which they show one another",
     )
     fleet.add_argument("--templates", default=str(TEMPLATES), help="the templates directory (default: %(default)s)")
     fleet.set_defaults(handler=cmd_render_fleet)

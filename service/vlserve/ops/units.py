@@ -59,6 +59,7 @@ FLEET_FILES = {
 }
 FLEET_BACKEND = "vlserve_fleet"  # the backend whose servers the rollout drains and enables, one per host
 FLEET_SOCKET = "/run/vlserve-fleet/admin.sock"  # HAProxy's runtime API, level admin
+FLEET_PEERS = "vlserve_fleet_peers"  # the peers section of several fleet fronts
 # The front's own error pages: raw HTTP responses in the service's error shape.
 ERROR_PAGES = {
     400: ("Bad Request", "the request is malformed", "invalid_request_error", "bad_request"),
@@ -128,6 +129,7 @@ def _front(options: dict[str, Any], prefix: str, pem: str, clients_map: str) -> 
         "clients": front_clients(options.get("clients") or [], "clients"),
         "clients_map": clients_map,
         "max_authorization_chars": MAX_AUTHORIZATION_CHARS,
+        "peers": None,  # a fleet front's, where there are several (fleet_context)
         # What a request that names no max_tokens reserves against a tokens-per-minute limit.
         "default_max_tokens": int((options.get("settings") or {}).get("max_tokens_default", 512)),
         "max_upload_bytes": int(options["max_upload_bytes"]),
@@ -239,10 +241,32 @@ def fleet_backends(hosts: list[str], hostvars: Any) -> list[dict[str, Any]]:
     return backends
 
 
+def fleet_peers(fronts: list[str], hostvars: Any, port: int) -> list[dict[str, Any]]:
+    """The fleet fronts that share the clients' counters (HAProxy peers), where there are several: each
+    reached on its vlserve_fleet_address, else its ansible_host."""
+    if len(fronts) < 2:
+        return []
+    return [
+        {
+            "name": name,
+            "address": hostvars[name].get("vlserve_fleet_address") or hostvars[name].get("ansible_host", name),
+            "port": int(port),
+        }
+        for name in fronts
+    ]
+
+
 def fleet_context(backends: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
     """The `vlserve_fleet` variable of the fleet front's templates. `options`: the vlserve_front role's
     variables without their prefix (port, bind, tls, insecure, clients, max_upload_bytes,
-    request_timeout_s, check_interval_s), and client_certificate: whether it has one for the hosts."""
+    request_timeout_s, check_interval_s), and client_certificate: whether it has one for the hosts;
+    with several fleet fronts, `peers` (fleet_peers) and `peer_name`, this one's name among them."""
+    peers = list(options.get("peers") or [])
+    if peers and options.get("peer_name") not in [peer["name"] for peer in peers]:
+        raise ValueError("the fleet front %r is not one of its peers %s" % (options.get("peer_name"), peers))
+    if peers and not _truthy(options.get("client_certificate", False)):
+        raise ValueError("fleet fronts share their counters over mutual TLS: they need their client certificates")
+    front = _front(options, "", FLEET_PEM, FLEET_FILES["clients.map.j2"])
     return {
         "config_dir": CONFIG_DIR,
         "files": FLEET_FILES,
@@ -255,8 +279,22 @@ def fleet_context(backends: list[dict[str, Any]], options: dict[str, Any]) -> di
         "client_pem": FLEET_CLIENT_PEM if _truthy(options.get("client_certificate", False)) else None,
         "client_cn": FLEET_CLIENT_CN,  # its name starts so
         "front": dict(
-            _front(options, "", FLEET_PEM, FLEET_FILES["clients.map.j2"]),
+            front,
             check_interval_s=int(options["check_interval_s"]),
+            # Several fleet fronts push each client's counters to one another (HAProxy peers, over
+            # mutual TLS with their client certificates): a standby taking over keeps them, and fronts
+            # answering side by side see each other's requests (the last update wins: a shared count
+            # for requests that follow one another, approximate for simultaneous ones).
+            peers={
+                "section": FLEET_PEERS,
+                "local": options["peer_name"],
+                "bind": front["bind"],
+                "port": next(peer["port"] for peer in peers if peer["name"] == options["peer_name"]),
+                "members": peers,
+                "ca": FLEET_CLIENTS_CA,
+            }
+            if peers
+            else None,
         ),
         "error_pages": _error_pages(),
     }
