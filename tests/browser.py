@@ -44,8 +44,8 @@ class BrowserError(Exception):
 
 
 class Chromium:
-    def __init__(self, profile: pathlib.Path, width: int = 1280, height: int = 1000):
-        self.profile, self.size = profile, (width, height)
+    def __init__(self, profile: pathlib.Path, width: int = 1280, height: int = 1000, flags: tuple[str, ...] = ()):
+        self.profile, self.size, self.flags = profile, (width, height), list(flags)
         self.process: subprocess.Popen | None = None
         self.socket: websocket.WebSocket | None = None
         self.ids = itertools.count(1)
@@ -58,7 +58,14 @@ class Chromium:
             raise BrowserError("no chromium (scripts/bootstrap --test installs Debian's)")
         self.profile.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            [binary, *FLAGS, "--user-data-dir=%s" % self.profile, "--window-size=%d,%d" % self.size, "about:blank"],
+            [
+                binary,
+                *FLAGS,
+                *self.flags,
+                "--user-data-dir=%s" % self.profile,
+                "--window-size=%d,%d" % self.size,
+                "about:blank",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

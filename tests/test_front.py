@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from conftest import TOOL_ENV, free_port, run_tool
-from harness.haproxy import Front
+from harness.haproxy import Front, self_signed
 from vlserve.bench.servers import LocalServer
 from vlserve.ops import clients, units
 
@@ -38,21 +38,6 @@ KEY_FILE = [
     {"name": "carol", "key": KEYS["carol"], "limits": {"models": ["another-model"]}},
     {"name": "dave", "key": KEYS["dave"], "limits": {"tokens_per_minute": 20}},
 ]
-
-
-def self_signed(directory: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """A certificate for 127.0.0.1 and its key in one PEM (HAProxy's form), and the certificate alone
-    (what a client trusts)."""
-    key, cert = directory / "front.key", directory / "front.crt"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    pem = directory / "front.pem"
-    pem.write_text(cert.read_text() + key.read_text())
-    return pem, cert
 
 
 def issue(

@@ -46,6 +46,21 @@ def haproxy_binary() -> tuple[pathlib.Path, dict[str, str]]:
     return binary, environment
 
 
+def self_signed(directory: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A certificate for 127.0.0.1 and its key in one PEM (HAProxy's form), and the certificate alone
+    (what a client trusts)."""
+    key, cert = directory / "front.key", directory / "front.crt"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    pem = directory / "front.pem"
+    pem.write_text(cert.read_text() + key.read_text())
+    return pem, cert
+
+
 class Front:
     """One HAProxy process running a rendered front's files (a tree as render-units writes it)."""
 
