@@ -52,6 +52,19 @@ def _clients_problem(entries, source: str = "clients") -> str:
     return ""
 
 
+def _pem(files: list[str]) -> str:
+    """A certificate and its key, files on the controller, as one PEM (HAProxy's `crt`); empty while
+    either is missing (check mode before the controller made them)."""
+    texts = []
+    for name in files:
+        path = pathlib.Path(name)
+        text = path.read_text().strip() if path.is_file() else ""
+        if not text:
+            return ""
+        texts.append(text + "\n")
+    return "".join(texts)
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -70,6 +83,8 @@ class FilterModule:
             "vlserve_clients_problem": _clients_problem,
             # a front's context -> '' or why it may not listen where it is told to (no TLS or keys)
             "vlserve_exposure_problem": lambda front: _load("ops/units").exposure_problem(front) or "",
+            # [certificate, key] files on the controller -> one PEM, or '' while either is missing
+            "vlserve_pem": _pem,
             # files and directories on the controller -> one sha256 of their contents (the rollout's fingerprint)
             "vlserve_tree_digest": _tree_digest,
             # every host's audit report -> the fleet's summary, and its table
