@@ -460,7 +460,7 @@ def test_a_model_file_changed_on_the_controller_stops_the_play_naming_it(guest, 
     assert "matches the model lock" in verified.stdout
 
 
-def test_the_front_enforces_the_upload_limit_and_the_clients_keys(guest, workdir, deployed, host_vars):
+def test_the_front_enforces_the_upload_limit_and_the_clients_keys(guest, workdir, deployed, host_vars, releases):
     too_big = httpx.post(
         front(host_vars) + "/v1/chat/completions",
         content=b"x" * (21 * 2**20),
@@ -474,7 +474,11 @@ def test_the_front_enforces_the_upload_limit_and_the_clients_keys(guest, workdir
     assert get(host_vars, "/v1/models", key=False).status_code == 401
     assert (CREDENTIALS["dir"] / "default-api-key").stat().st_mode & 0o777 == 0o600
     keys = {"web": "vls-web-" + "w" * 40, "batch": "vls-batch-" + "b" * 40}
-    keyed = dict(host_vars, vlserve_clients=[{"name": name, "key": key} for name, key in keys.items()])
+    keyed = dict(
+        host_vars,
+        vlserve_deploy_release_wheel=releases["third"]["path"],  # what the host runs since the releases' test
+        vlserve_clients=[{"name": name, "key": key} for name, key in keys.items()],
+    )
     started = main_pid(guest, 0)
     result = play(guest, workdir, "site.yml", "-v", **keyed)
     assert result.returncode == 0, result.stdout[-4000:]
