@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import socket
 import ssl
 import subprocess
@@ -355,6 +356,9 @@ def behind_fleet(fronted, tmp_path_factory):
         "host": "https://127.0.0.1:%d" % host_port,
         "fleet": "https://127.0.0.1:%d" % fleet_port,
         "socket": host_tree / units.LOCAL_SOCKET.lstrip("/"),
+        "host_front": host,
+        "fleet_front": fleet,
+        "fleet_tree": fleet_tree,
     }
     fleet.stop()
     host.stop()
@@ -385,6 +389,40 @@ def test_behind_a_fleet_front_a_host_answers_only_the_fleet_front_and_itself(beh
     local = httpx.Client(transport=httpx.HTTPTransport(uds=str(behind_fleet["socket"])), timeout=10)
     assert local.get("http://localhost/v1/models", headers=key).status_code == 200
     assert local.get("http://localhost/v1/models").status_code == 401
+
+
+def logged(front: Front, text: str) -> str:
+    """The front's log line (HAProxy writes it when the request ends) that holds `text`."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in front.log.read_text(errors="replace").splitlines():
+            if text in line:
+                return line
+        time.sleep(0.1)
+    raise AssertionError("%s is not in %s" % (text, front.log))
+
+
+def test_a_request_keeps_one_id_from_the_fleet_front_to_the_workers_record(behind_fleet, fronted):
+    key = {"Authorization": "Bearer " + KEYS["alice"]}
+    fleet = behind_fleet["fleet"] + "/v1/chat/completions"
+
+    def ask(**headers) -> httpx.Response:
+        return httpx.post(fleet, json=chat(), headers=key | headers, verify=behind_fleet["trust"], timeout=60)
+
+    kept = ask(**{"X-Request-Id": "client-chosen-0042"})
+    assert kept.status_code == 200 and kept.headers["x-request-id"] == "client-chosen-0042"
+    made = ask(**{"X-Request-Id": "bad id"}).headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", made)
+    for request_id in ("client-chosen-0042", made):
+        # Both fronts' log lines end with it, and the worker's record names it with its client.
+        assert logged(behind_fleet["fleet_front"], "\"POST /v1/chat/completions HTTP/1.1\" " + request_id)
+        assert logged(behind_fleet["host_front"], request_id)
+        worker_log = pathlib.Path(fronted["worker"].log.name).read_text()
+        assert re.search(r"request %s: POST /v1/chat/completions 200 in \d+ ms, client alice" % request_id, worker_log)
+    # A refusal of the front's own (no key) carries a new ID too, in its header and its log line.
+    refused = httpx.post(fleet, json=chat(), verify=behind_fleet["trust"], timeout=60)
+    assert refused.status_code == 401 and re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])
+    assert " 401 " in logged(behind_fleet["fleet_front"], refused.headers["x-request-id"])
 
 
 def admin(tree: pathlib.Path, command: str) -> str:

@@ -266,7 +266,9 @@ def test_a_file_that_is_no_image_shows_the_apis_400_message(worker, browser, pic
     body = image_question((pictures / "notes.txt").read_bytes(), "What is this?", mime="text/plain", max_tokens=12)
     api = httpx.post(worker.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60)
     assert api.status_code == 400
-    assert shown == "HTTP 400: " + api.json()["error"]["message"]
+    # The message is the API's own; the ID is the page's request's, the one its worker logged.
+    assert re.fullmatch(r"HTTP 400: %s · request [0-9a-f]{32}" % re.escape(api.json()["error"]["message"]), shown)
+    assert ("request %s:" % shown.rsplit(" ", 1)[1]) in pathlib.Path(worker.log.name).read_text()
     assert browser.text("#answer") == ""
     assert browser.evaluate("getComputedStyle(document.getElementById('preview')).display") == "none"  # no preview
     browser.screenshot(ARTIFACTS / "error-400.png")
@@ -306,7 +308,7 @@ def test_the_api_key_stays_in_the_tab_and_the_front_refusals_are_shown(guarded_w
     browser.open(guarded_worker.url + "/")  # a reload in the same tab keeps it
     assert browser.evaluate("document.getElementById('api-key').value") == "page-test-key"
     ask(browser, "And this one?", pictures / "big.png")
-    assert re.fullmatch(r"HTTP 413: the request body is over \d+ bytes", browser.text("#error"))
+    assert re.fullmatch(r"HTTP 413: the request body is over \d+ bytes · request [0-9a-f]{32}", browser.text("#error"))
     browser.screenshot(ARTIFACTS / "error-413.png")
 
 
@@ -325,7 +327,7 @@ def test_a_full_worker_is_shown_as_429_with_its_retry_after(guarded_worker, brow
         ask(browser, "Anyone there?", pictures / "photo.jpg")
         shown = browser.text("#error")
         browser.screenshot(ARTIFACTS / "error-429.png")
-    assert re.fullmatch(r"HTTP 429: .+ \(retry after \d+ s\)", shown), shown
+    assert re.fullmatch(r"HTTP 429: .+ \(retry after \d+ s\) · request [0-9a-f]{32}", shown), shown
 
 
 @pytest.fixture

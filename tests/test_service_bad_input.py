@@ -48,8 +48,10 @@ CORPUS = {
 def assert_error_shape(response, status, code):
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
     assert error["message"] and error["type"]
+    # The error names its request, as the response's header does: what the journal is searched by.
+    assert error["request_id"] == response.headers["x-request-id"]
     assert error["code"] == code, error
 
 

@@ -19,6 +19,7 @@ import vlserve
 from vlserve.api import notify
 from vlserve.api.errors import install_error_handlers
 from vlserve.api.middleware import BodyLimitMiddleware, request_counter
+from vlserve.api.requestlog import Journal, RequestLogMiddleware
 from vlserve.api.routes import ask, health, openai, page, status
 from vlserve.api.submission import Submitter
 from vlserve.errors import ModelDirectoryError
@@ -78,6 +79,8 @@ def create_app(
         response.headers["X-Vlserve-Worker"] = worker
         return response
 
+    # Outermost, so every response (errors of the middleware above included) carries the request's ID.
+    app.add_middleware(RequestLogMiddleware, journal=Journal())
     install_error_handlers(app)
     for module in (health, openai, ask, status, page):
         app.include_router(module.router)

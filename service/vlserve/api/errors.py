@@ -5,6 +5,7 @@ Retry-After, engine failure 503, everything else 500 and logged."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlserve.api.protocol import ErrorDetail, ErrorResponse
+from vlserve.api.requestlog import trace_of
 from vlserve.errors import EngineError, InvalidRequest, NotReady, Overloaded, RequestTimeout
 from vlserve.runtime.images import ImageError
 
@@ -33,17 +35,23 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.retry_after = retry_after
 
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+    def body(self, request_id: str | None = None) -> ErrorResponse:
+        detail = ErrorDetail(
+            message=self.message, type=self.type, param=self.param, code=self.code, request_id=request_id
+        )
+        return ErrorResponse(error=detail)
 
 
 def not_ready(state: str) -> APIError:
     return APIError(503, "the model is %s" % state, "service_unavailable", code="not_ready", retry_after=5)
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, state: Any = None) -> JSONResponse:
+    """The error's response; `state` (a request's state or an ASGI scope's) names the request."""
+    trace = trace_of(state) if state is not None else None
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
-    return JSONResponse(error.body().model_dump(), status_code=error.status, headers=headers)
+    body = error.body(trace.request_id if trace is not None else None)
+    return JSONResponse(body.model_dump(), status_code=error.status, headers=headers)
 
 
 def from_engine_error(error: EngineError) -> APIError:
@@ -75,30 +83,32 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return error_response(error)
+    return error_response(error, request.state)
 
 
 async def _engine_error(request: Request, error: EngineError) -> JSONResponse:
-    return error_response(from_engine_error(error))
+    return error_response(from_engine_error(error), request.state)
 
 
 async def _image_error(request: Request, error: ImageError) -> JSONResponse:
-    return error_response(from_image_error(error))
+    return error_response(from_image_error(error), request.state)
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     message, param = _validation_message(error)
-    return error_response(APIError(400, message, "invalid_request_error", param=param, code="invalid_value"))
+    return error_response(
+        APIError(400, message, "invalid_request_error", param=param, code="invalid_value"), request.state
+    )
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(error.status_code, str(error.detail), kind))
+    return error_response(APIError(error.status_code, str(error.detail), kind), request.state)
 
 
 async def _unexpected(request: Request, error: Exception) -> JSONResponse:
     log.exception("unhandled error on %s", request.url.path)
-    return error_response(APIError(500, "internal error: %s" % type(error).__name__, "server_error"))
+    return error_response(APIError(500, "internal error: %s" % type(error).__name__, "server_error"), request.state)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -28,7 +28,7 @@ class BodyLimitMiddleware:
             413, "the request body is over %d bytes" % self.limit, "invalid_request_error", code="request_too_large"
         )
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await error_response(too_large)(scope, receive, send)
+            await error_response(too_large, scope.get("state"))(scope, receive, send)
             return
         received = 0
         started = False
@@ -52,7 +52,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await error_response(too_large)(scope, receive, send)
+                await error_response(too_large, scope.get("state"))(scope, receive, send)
 
 
 def outcome(status: int) -> str:
@@ -70,12 +70,13 @@ def request_counter(metrics: Metrics):
     """Count every /v1/ request by its route and outcome, and by the API client the front named."""
 
     async def count_requests(request: Request, call_next):
-        request.state.client = metrics.client_label(request.headers.get(CLIENT_HEADER))
+        client = metrics.client_label(request.headers.get(CLIENT_HEADER))
+        request.state.trace.client = client
         response = await call_next(request)
         endpoint = getattr(request.scope.get("route"), "path", "unmatched")
         if endpoint.startswith("/v1/"):
             metrics.requests.labels(endpoint, outcome(response.status_code)).inc()
-            metrics.client_requests.labels(request.state.client, outcome(response.status_code)).inc()
+            metrics.client_requests.labels(client, outcome(response.status_code)).inc()
         return response
 
     return count_requests

@@ -150,6 +150,8 @@ class ErrorDetail(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+    # Which request failed (its X-Request-Id): what an operator looks up in the journal.
+    request_id: str | None = None
 
 
 class ErrorResponse(BaseModel):

@@ -18,6 +18,7 @@ from fastapi import Request
 
 from vlserve.api.errors import APIError, from_engine_error
 from vlserve.api.protocol import UsageInfo
+from vlserve.api.requestlog import RequestTrace
 from vlserve.errors import EngineError
 from vlserve.runtime.engine import Engine
 from vlserve.runtime.images import ImageInput, load_image
@@ -33,18 +34,20 @@ def usage_info(usage: Usage) -> UsageInfo:
 class QueueSink:
     """Engine sink that hands events to an asyncio queue, from whatever thread calls it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_usage: Callable[[Usage], None]):
-        self.loop, self.on_usage = loop, on_usage
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_usage: Callable[[Usage], None], trace: RequestTrace):
+        self.loop, self.on_usage, self.trace = loop, on_usage, trace
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     def _put(self, item: tuple[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     def on_text(self, text: str) -> None:
+        self.trace.first_token()
         self._put(("text", text))
 
     def on_finish(self, reason: str, usage: Usage) -> None:
         self.on_usage(usage)
+        self.trace.usage = usage
         self._put(("finish", (reason, usage)))
 
     def on_error(self, error: EngineError) -> None:
@@ -114,10 +117,11 @@ class Submitter:
         seed: int | None = None,
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
-        client: str,
+        trace: RequestTrace,
     ) -> Generation:
         """Submit with the engine's sampling defaults where the request gives none; the tokens count
-        for `client` (a usage label: Metrics.client_label)."""
+        for the trace's client (a usage label: Metrics.client_label), its first token and usage go to
+        the request's record."""
         defaults = self.engine.sampling_defaults()
         params = SamplingParams(
             max_tokens=self.engine.resolve_max_tokens(prompt, max_tokens),
@@ -128,5 +132,6 @@ class Submitter:
             ignore_eos=ignore_eos,
         )
         metrics = self.engine.metrics
-        sink = QueueSink(asyncio.get_running_loop(), lambda usage: metrics.count_usage(client, usage))
+        client = trace.client or ""
+        sink = QueueSink(asyncio.get_running_loop(), lambda usage: metrics.count_usage(client, usage), trace)
         return Generation(self.engine.submit(prompt, params, sink), sink)

@@ -18,6 +18,7 @@ from vlserve.sizing.contract import (
     FLEET_CLIENTS_CA,
     FLEET_PEM,
     FRONT_PEM,
+    REQUEST_ID,
     TLS_DIR,
 )
 
@@ -129,6 +130,7 @@ def _front(options: dict[str, Any], prefix: str, pem: str, clients_map: str) -> 
         "clients": front_clients(options.get("clients") or [], "clients"),
         "clients_map": clients_map,
         "max_authorization_chars": MAX_AUTHORIZATION_CHARS,
+        "request_id_pattern": REQUEST_ID,
         "peers": None,  # a fleet front's, where there are several (fleet_context)
         # What a request that names no max_tokens reserves against a tokens-per-minute limit.
         "default_max_tokens": int((options.get("settings") or {}).get("max_tokens_default", 512)),

@@ -23,6 +23,12 @@ ENV_PREFIX = "VLSERVE_"
 CLIENT_HEADER = "X-Vlserve-Client"
 CLIENT_NAME = r"^[a-z0-9][a-z0-9_.-]{0,47}$"
 
+# Each request's ID, from the first front it reaches to the worker's journal: a front keeps an ID the
+# client sent when it matches REQUEST_ID (a bounded, log-safe alphabet), otherwise it makes one; the
+# worker does the same for a request that reached it directly.
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID = r"^[A-Za-z0-9._:-]{8,128}$"
+
 # Where the fronts keep their TLS files on a host (the roles install them, the templates name them,
 # the audit reads their expiry). PEMs with a private key are 0640 root:haproxy.
 TLS_DIR = "/etc/vlserve/tls"

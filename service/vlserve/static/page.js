@@ -85,19 +85,27 @@ function timingItem(label, value) {
   $("timing").append(item);
 }
 
-// The API's own error, as it gave it: {"error": {"message": ...}}, with Retry-After where it says.
+// What an operator needs to find a failed request in the fronts' logs and the workers' journal.
+function withRequestId(text, id) {
+  return id ? text + " · request " + id : text;
+}
+
+// The API's own error, as it gave it: {"error": {"message": ...}}, with Retry-After where it says,
+// and the request's ID (the body's, or the header a front set on its own refusals).
 async function apiError(response) {
   let message = response.statusText || "error";
+  let id = response.headers.get("X-Request-Id");
   try {
     const body = await response.json();
     if (body && body.error && body.error.message) message = body.error.message;
+    if (body && body.error && body.error.request_id) id = body.error.request_id;
   } catch (ignored) {
     // not JSON (a proxy's page): the status line is all there is
   }
   let text = "HTTP " + response.status + ": " + message;
   const retry = response.headers.get("Retry-After");
   if (retry) text += " (retry after " + retry + " s)";
-  return text;
+  return withRequestId(text, id);
 }
 
 function showTiming(t, usage, worker) {
@@ -198,7 +206,7 @@ async function readStream(response, t) {
         if (data === "[DONE]") return usage;
         const chunk = JSON.parse(data);
         if (chunk.error) {
-          showError(chunk.error.message);
+          showError(withRequestId(chunk.error.message, chunk.error.request_id));
           continue;
         }
         if (chunk.usage) usage = chunk.usage;

@@ -30,7 +30,7 @@ async def ask(
         return [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": question}]}]
 
     prompt = await submitter.prepare(messages)
-    generation = submitter.generate(prompt, max_tokens=max_tokens, temperature=temperature, client=request.state.client)
+    generation = submitter.generate(prompt, max_tokens=max_tokens, temperature=temperature, trace=request.state.trace)
     text, reason, usage = await generation.collect(request)
     return AskResponse(
         answer=text,

@@ -54,7 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, submit
         seed=body.seed,
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
-        client=request.state.client,
+        trace=request.state.trace,
     )
     model_name = submitter.settings.server.served_model_name
     if not body.stream:
@@ -66,7 +66,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, submit
         )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
-        stream_chunks(generation, model_name, include_usage),
+        stream_chunks(generation, model_name, include_usage, request.state.trace.request_id),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -123,8 +123,8 @@ async def conversation(body: ChatCompletionRequest, settings: Settings, submitte
     return messages
 
 
-async def stream_chunks(generation: Generation, model_name: str, include_usage: bool):
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+async def stream_chunks(generation: Generation, model_name: str, include_usage: bool, request_id: str):
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; an error names the request."""
     chunk_id, created = completion_id(), int(time.time())
 
     def event(choices: list[ChunkChoice], usage: UsageInfo | None = None) -> str:
@@ -143,5 +143,5 @@ async def stream_chunks(generation: Generation, model_name: str, include_usage: 
         else:
             error = from_engine_error(payload)
             error.param = None  # the stream's error names no request field
-            yield "data: %s\n\n" % error.body().model_dump_json()
+            yield "data: %s\n\n" % error.body(request_id).model_dump_json()
     yield "data: [DONE]\n\n"
