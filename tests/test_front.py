@@ -6,6 +6,7 @@ The fleet front includes the same rules (templates/haproxy-rules.j2); the fleet 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import re
@@ -344,9 +345,9 @@ def behind_fleet(fronted, tmp_path_factory):
         "https://127.0.0.1:%d/readyz" % host_port, ca=as_fleet
     )
     trust = ssl.create_default_context(cafile=str(ca))
-    fleet = Front(fleet_tree, units.FLEET_FILES["fleet-haproxy.cfg.j2"]).start(
-        "https://127.0.0.1:%d/readyz" % fleet_port, ca=trust
-    )
+    fleet = Front(
+        fleet_tree, units.FLEET_FILES["fleet-haproxy.cfg.j2"], unit=units.FLEET_FILES["vlserve-fleet.service.j2"]
+    ).start("https://127.0.0.1:%d/readyz" % fleet_port, ca=trust)
     yield {
         "ca": ca,
         "pems": pems,
@@ -415,7 +416,7 @@ def test_a_request_keeps_one_id_from_the_fleet_front_to_the_workers_record(behin
     assert re.fullmatch(r"[0-9a-f]{32}", made)
     for request_id in ("client-chosen-0042", made):
         # Both fronts' log lines end with it, and the worker's record names it with its client.
-        assert logged(behind_fleet["fleet_front"], "\"POST /v1/chat/completions HTTP/1.1\" " + request_id)
+        assert logged(behind_fleet["fleet_front"], '"POST /v1/chat/completions HTTP/1.1" ' + request_id)
         assert logged(behind_fleet["host_front"], request_id)
         worker_log = pathlib.Path(fronted["worker"].log.name).read_text()
         assert re.search(r"request %s: POST /v1/chat/completions 200 in \d+ ms, client alice" % request_id, worker_log)
@@ -431,6 +432,59 @@ def admin(tree: pathlib.Path, command: str) -> str:
         connection.connect(str(tree / units.FLEET_SOCKET.lstrip("/")))
         connection.sendall(command.encode() + b"\n")
         return b"".join(iter(lambda: connection.recv(65536), b"")).decode()
+
+
+def worker_pid(tree: pathlib.Path) -> int:
+    return int(re.search(r"^Pid: (\d+)", admin(tree, "show info"), re.M).group(1))
+
+
+def admin_state(tree: pathlib.Path, server: str) -> int:
+    """A server's srv_admin_state in the runtime API's `show servers state` (8: drained by hand)."""
+    lines = [line.split() for line in admin(tree, "show servers state").splitlines() if not line.startswith("#")]
+    return next(int(fields[6]) for fields in lines if len(fields) > 6 and fields[3] == server)
+
+
+def reload_and_wait(front: Front, tree: pathlib.Path) -> None:
+    """The unit's reload, then until the new HAProxy worker answers the runtime API."""
+    before = worker_pid(tree)
+    front.reload()
+    deadline = time.monotonic() + 20
+    while True:
+        with contextlib.suppress(OSError, AttributeError):
+            if worker_pid(tree) != before:
+                return
+        assert time.monotonic() < deadline, "no new worker after the reload"
+        time.sleep(0.2)
+
+
+def test_the_fleet_front_keeps_a_drained_host_drained_across_reloads_and_cuts_no_stream(behind_fleet):
+    tree, front = behind_fleet["fleet_tree"], behind_fleet["fleet_front"]
+    key = {"Authorization": "Bearer " + KEYS["alice"]}
+    # A stream under way when the unit reloads the front: the old worker carries it to its end.
+    with httpx.stream(
+        "POST", behind_fleet["fleet"] + "/v1/chat/completions", json=chat(max_tokens=600, stream=True),
+        headers=key, verify=behind_fleet["trust"], timeout=120,
+    ) as stream:  # fmt: skip
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        reload_and_wait(front, tree)
+        rest = [line for line in lines if line]
+    # (to its end: all 600 tokens, finish_reason "length")
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+    # A host drained through the runtime API (as the rollout does) stays drained in the new workers,
+    # across a reload and a stop and start; put back, it stays back.
+    admin(tree, "set server %s/h1 state drain" % units.FLEET_BACKEND)
+    assert admin_state(tree, "h1") & 8
+    reload_and_wait(front, tree)
+    assert admin_state(tree, "h1") & 8
+    front.stop()
+    front.start(behind_fleet["fleet"] + "/readyz", ca=behind_fleet["trust"])
+    assert admin_state(tree, "h1") & 8
+    saved = (tree / units.FLEET_STATE_FILE.lstrip("/")).read_text()
+    assert re.search(r"^\d+ %s \d+ h1 \S+ \d+ 8 " % units.FLEET_BACKEND, saved, re.M), saved
+    admin(tree, "set server %s/h1 state ready" % units.FLEET_BACKEND)
+    reload_and_wait(front, tree)
+    assert admin_state(tree, "h1") == 0
 
 
 def test_two_fleet_fronts_share_each_clients_counters(behind_fleet, tmp_path):

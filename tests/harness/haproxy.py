@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import ssl
 import subprocess
@@ -21,7 +22,9 @@ import httpx
 
 from harness.host import CACHE
 
-PACKAGES = ("haproxy", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1")
+# (socat: what the fleet front's unit saves HAProxy's server state with)
+PACKAGES = ("haproxy", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1", "socat", "libwrap0")
+RENDERED_PATHS = r"(?<![\w/])/(etc/vlserve|run/vlserve-[a-z]+|var/lib/vlserve-[a-z]+)/"
 ROOT = CACHE / "haproxy"
 
 
@@ -29,6 +32,8 @@ def haproxy_binary() -> tuple[pathlib.Path, dict[str, str]]:
     """The haproxy executable and the environment that finds its libraries."""
     binary = ROOT / "usr" / "sbin" / "haproxy"
     libraries = ROOT / "usr" / "lib" / "x86_64-linux-gnu"
+    if not (ROOT / "usr" / "bin" / "socat").exists():  # (a cache from before socat was added)
+        shutil.rmtree(ROOT, ignore_errors=True)
     if not binary.exists():
         downloads = CACHE / "haproxy-debs"
         downloads.mkdir(parents=True, exist_ok=True)
@@ -64,20 +69,38 @@ def self_signed(directory: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
 class Front:
     """One HAProxy process running a rendered front's files (a tree as render-units writes it)."""
 
-    def __init__(self, tree: pathlib.Path, config: str):
+    def __init__(self, tree: pathlib.Path, config: str, unit: str | None = None):
+        """`unit`: the rendered systemd unit whose ExecReload and ExecStop lines reload() and stop() run."""
         self.tree = tree
         self.binary, self.environment = haproxy_binary()
         self.config = tree / config.lstrip("/")
         self.log = tree / "haproxy.log"
         # The rendered paths, pointed below the tree (the runtime socket's directory too).
-        text = self.config.read_text()
-        text = re.sub(r"(?<![\w/])/(etc/vlserve|run/vlserve-[a-z]+)/", lambda m: "%s/%s/" % (tree, m.group(1)), text)
-        (tree / "run" / "vlserve-front").mkdir(parents=True, exist_ok=True)
-        (tree / "run" / "vlserve-fleet").mkdir(parents=True, exist_ok=True)
-        self.config.write_text(text)
+        self.config.write_text(self.below_tree(self.config.read_text()))
+        self.unit = tree / unit.lstrip("/") if unit else None
+        for directory in ("run/vlserve-front", "run/vlserve-fleet", "var/lib/vlserve-fleet"):
+            (tree / directory).mkdir(parents=True, exist_ok=True)
         for map_file in tree.rglob("*.map"):
             map_file.chmod(0o600)
         self.process: subprocess.Popen | None = None
+
+    def below_tree(self, text: str) -> str:
+        return re.sub(RENDERED_PATHS, lambda m: "%s/%s/" % (self.tree, m.group(1)), text)
+
+    def unit_commands(self, key: str) -> list[list[str]]:
+        """The unit's Exec<key>= lines as this machine runs them: the unpacked haproxy and socat, the
+        tree's paths, the master's pid for $MAINPID (systemd's "-" prefix dropped: tests want to know)."""
+        assert self.unit is not None and self.process is not None
+        commands = []
+        for line in self.unit.read_text().splitlines():
+            if line.startswith("Exec%s=" % key):
+                command = self.below_tree(line.split("=", 1)[1].lstrip("-"))
+                command = command.replace("/usr/sbin/haproxy", str(self.binary)).replace(
+                    "$MAINPID", str(self.process.pid)
+                )
+                command = command.replace("/usr/bin/socat", str(ROOT / "usr" / "bin" / "socat"))
+                commands.append(shlex.split(command))
+        return commands
 
     def check(self) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -107,12 +130,19 @@ class Front:
         raise AssertionError("the front did not answer at %s: %s" % (url, self.log.read_text()[-2000:]))
 
     def reload(self) -> None:
-        """What `systemctl reload` does to the unit: USR2 to the master, which starts new workers and
-        lets the old ones finish their streams."""
+        """What `systemctl reload` does to the unit: its ExecReload lines where the unit is given, else
+        USR2 to the master (what the last of them sends), which starts new workers and lets the old
+        ones finish their streams."""
         assert self.process is not None
-        self.process.send_signal(12)  # SIGUSR2
+        if self.unit is None:
+            self.process.send_signal(12)  # SIGUSR2
+            return
+        for command in self.unit_commands("Reload"):
+            subprocess.run(command, env=self.environment, check=True, capture_output=True, timeout=30)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            for command in self.unit_commands("Stop") if self.unit is not None else []:
+                subprocess.run(command, env=self.environment, check=True, capture_output=True, timeout=30)
             self.process.terminate()
             self.process.wait(timeout=20)

@@ -60,6 +60,9 @@ FLEET_FILES = {
 }
 FLEET_BACKEND = "vlserve_fleet"  # the backend whose servers the rollout drains and enables, one per host
 FLEET_SOCKET = "/run/vlserve-fleet/admin.sock"  # HAProxy's runtime API, level admin
+# Each host's state in the fleet front (drained, in maintenance, weight), saved by the unit before a
+# reload or a stop and read back at start: a host the rollout or the operator drained stays drained.
+FLEET_STATE_FILE = "/var/lib/vlserve-fleet/server-state"
 FLEET_PEERS = "vlserve_fleet_peers"  # the peers section of several fleet fronts
 # The front's own error pages: raw HTTP responses in the service's error shape.
 ERROR_PAGES = {
@@ -132,6 +135,7 @@ def _front(options: dict[str, Any], prefix: str, pem: str, clients_map: str) -> 
         "max_authorization_chars": MAX_AUTHORIZATION_CHARS,
         "request_id_pattern": REQUEST_ID,
         "peers": None,  # a fleet front's, where there are several (fleet_context)
+        "state_file": None,  # a fleet front's (fleet_context)
         # What a request that names no max_tokens reserves against a tokens-per-minute limit.
         "default_max_tokens": int((options.get("settings") or {}).get("max_tokens_default", 512)),
         "max_upload_bytes": int(options["max_upload_bytes"]),
@@ -283,6 +287,7 @@ def fleet_context(backends: list[dict[str, Any]], options: dict[str, Any]) -> di
         "front": dict(
             front,
             check_interval_s=int(options["check_interval_s"]),
+            state_file=FLEET_STATE_FILE,
             # Several fleet fronts push each client's counters to one another (HAProxy peers, over
             # mutual TLS with their client certificates): a standby taking over keeps them, and fronts
             # answering side by side see each other's requests (the last update wins: a shared count
