@@ -6,6 +6,8 @@ import concurrent.futures
 import contextlib
 import http.server
 import json
+import math
+import pathlib
 import threading
 import time
 
@@ -16,6 +18,7 @@ import pytest
 from conftest import Server
 from sample_images import data_uri, image_question, jpeg_bytes, png_bytes
 from vlserve.kernels import native
+from vlserve.sizing import contract
 
 
 def post(server, body, **kwargs):
@@ -188,6 +191,23 @@ def test_metrics_parse_and_count_outcomes(server):
         assert expected in names, expected
     assert samples[("vlserve_requests_total", (("endpoint", "/v1/chat/completions"), ("outcome", "client_error")))] >= 1
     assert samples[("vlserve_ready", ())] == 1.0
+    # Which kernels run, as /readyz says it; the cgroup's memory and limits, as the kernel reports them
+    # for this process (NaN where there is no cgroup v2 to read, +Inf for a limit that is not set).
+    kernels = httpx.get(server.url + "/readyz", timeout=10).json()["kernels"]
+    assert samples[("vlserve_own_kernels", ())] == (1.0 if kernels.startswith(contract.KERNELS_OWN) else 0.0)
+    cgroup = pathlib.Path("/sys/fs/cgroup") / next(
+        line[3:] for line in pathlib.Path("/proc/%d/cgroup" % server.process.pid).read_text().splitlines()
+        if line.startswith("0::")
+    ).lstrip("/")  # fmt: skip
+    for name, file in (("high", "memory.high"), ("max", "memory.max")):
+        written = (cgroup / file).read_text().strip() if (cgroup / file).exists() else None
+        value = samples[("vlserve_cgroup_memory_%s_bytes" % name, ())]
+        assert value == (math.inf if written == "max" else float(written)) if written else math.isnan(value)
+    assert samples[("vlserve_cgroup_memory_bytes", ())] > 0 or not (cgroup / "memory.current").exists()
+    # No host front's certificate on this machine: NaN, not a made-up date.
+    assert math.isnan(
+        samples[("vlserve_certificate_not_after_seconds", (("path", contract.FRONT_PUBLIC_CERTIFICATE),))]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import generate_latest
 
-from vlserve.sizing.contract import CLIENT_NAME
+from vlserve.sizing.certificates import not_after
+from vlserve.sizing.contract import CLIENT_NAME, FRONT_PUBLIC_CERTIFICATE, KERNELS_OWN
 
 # Seconds: from a cached answer (~1 ms) to a long generation on a slow CPU (minutes).
 LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
@@ -84,6 +85,24 @@ class Metrics:
         process = psutil.Process()
         self.anonymous_memory.set_function(lambda: anonymous_memory(process))
         self.ready = Gauge("vlserve_ready", "1 once the model is loaded and warmed up", registry=registry)
+        # What the alerts compare with the unit's limits: all the memory the cgroup is charged (page
+        # cache of the weights included, which MemoryHigh counts too), and the limits themselves.
+        cgroup = own_cgroup()
+        for name, file, text in (
+            ("vlserve_cgroup_memory_bytes", "memory.current", "Memory charged to this worker's cgroup"),
+            ("vlserve_cgroup_memory_high_bytes", "memory.high", "Its MemoryHigh (+Inf: none)"),
+            ("vlserve_cgroup_memory_max_bytes", "memory.max", "Its MemoryMax (+Inf: none)"),
+        ):
+            Gauge(name, text, registry=registry).set_function(lambda file=file: cgroup_value(cgroup, file))
+        self.own_kernels = Gauge(
+            "vlserve_own_kernels", "1 while vlserve's own kernels serve the products, 0 on torch's", registry=registry
+        )
+        Gauge(
+            "vlserve_certificate_not_after_seconds",
+            "When the host front's certificate ends (Unix time; NaN: no such certificate)",
+            ["path"],
+            registry=registry,
+        ).labels(FRONT_PUBLIC_CERTIFICATE).set_function(lambda: certificate_end(FRONT_PUBLIC_CERTIFICATE))
         for cache in ("result", "vision"):
             self.cache_hits.labels(cache)
             self.cache_misses.labels(cache)
@@ -110,6 +129,7 @@ class Metrics:
 
     def bind_engine(self, engine: Any) -> None:
         self.ready.set_function(lambda: 1.0 if engine.ready else 0.0)
+        self.own_kernels.set_function(lambda: 1.0 if engine.kernels.startswith(KERNELS_OWN) else 0.0)
 
     def cache_lookup(self, cache: str, hit: bool) -> None:
         (self.cache_hits if hit else self.cache_misses).labels(cache).inc()
@@ -187,6 +207,37 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
             return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
         lower_bound, lower_count = bound, count
     return lower_bound
+
+
+def own_cgroup() -> str | None:
+    """This process's cgroup directory (cgroup v2), or None."""
+    try:
+        with open("/proc/self/cgroup") as lines:
+            for line in lines:
+                if line.startswith("0::"):
+                    return "/sys/fs/cgroup" + line[3:].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cgroup_value(cgroup: str | None, file: str) -> float:
+    """A cgroup memory file's bytes: +Inf for "max", NaN where it cannot be read."""
+    try:
+        with open("%s/%s" % (cgroup, file)) as handle:
+            text = handle.read().strip()
+    except (OSError, TypeError):
+        return float("nan")
+    return float("inf") if text == "max" else float(text)
+
+
+def certificate_end(path: str) -> float:
+    try:
+        with open(path) as handle:
+            end = not_after(handle.read())
+    except OSError:
+        return float("nan")
+    return float("nan") if end is None else float(end)
 
 
 def anonymous_memory(process: psutil.Process) -> int:

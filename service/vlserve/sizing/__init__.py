@@ -19,8 +19,10 @@ The modules, in the order a plan is made:
   facts_schema  the facts format (JSON Schema); validate checks facts against it
   planner     plan(): all of the above, a pure function of facts and policy
   render      tables for people, JSON for machines
+  certificates  when a certificate ends (the audit's and the workers' figure)
 """
 
+from . import certificates
 from .common import FACTS_SCHEMA, GIB, MIB, PLAN_SCHEMA, PlanError
 from .contract import QUANTIZE_LEVELS
 from .cores import default_threads
@@ -62,6 +64,7 @@ __all__ = [
     "PlanError",
     "Policy",
     "auto_levels",
+    "certificates",
     "check_facts",
     "check_policy_fits",
     "default_threads",

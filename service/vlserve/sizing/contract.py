@@ -41,6 +41,9 @@ FLEET_CLIENT_PEM = TLS_DIR + "/fleet-client.pem"
 FLEET_CLIENTS_CA = TLS_DIR + "/fleet-clients-ca.crt"
 FLEET_CLIENT_CN = "vlserve fleet front"
 FRONT_CERTIFICATES = (FRONT_PEM, FLEET_PEM, FLEET_CLIENT_PEM)
+# The host front's certificate chain again, without its key and readable by all: the workers export
+# its end of validity (vlserve_certificate_not_after_seconds) for the expiry alert.
+FRONT_PUBLIC_CERTIFICATE = "/etc/vlserve/front.crt"
 # A certificate with fewer days left is signed again by the play, and the audit calls it drift.
 CERTIFICATE_RENEW_DAYS = 30
 
