@@ -75,6 +75,10 @@ class FilterModule:
             # the service hosts of a group + hostvars -> the fleet front's servers, then its template context
             "vlserve_fleet_backends": lambda hosts, hostvars: _load("ops/units").fleet_backends(hosts, hostvars),
             "vlserve_fleet_context": _load("ops/units").fleet_context,
+            # the service hosts + the fleet fronts + hostvars -> Prometheus's target groups per scrape job
+            "vlserve_scrape_targets": lambda hosts, fronts, hostvars: _load("ops/monitoring").scrape_targets(
+                hosts, fronts, hostvars
+            ),
             # the fleet fronts + hostvars + the peers port -> the peers that share counters (several fronts)
             "vlserve_fleet_peers": lambda fronts, hostvars, port: _load("ops/units").fleet_peers(
                 fronts, hostvars, port

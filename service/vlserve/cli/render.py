@@ -14,7 +14,7 @@ from vlserve.cli.common import (
     load_facts,
     policy_from_args,
 )
-from vlserve.sizing.contract import FLEET_CLIENT_CN
+from vlserve.sizing.contract import FLEET_CLIENT_CN, MONITORING_CLIENT_CN
 
 # The package's data: in a checkout, links to the repository's templates/ and the two roles' defaults;
 # in the wheel (scripts/release), copies of them. So these commands work from an installed release.
@@ -56,7 +56,28 @@ def _front_options(args: argparse.Namespace, options: dict, prefix: str, pem: st
     options["clients"] = read_clients(args.clients) if args.clients else []
     options[prefix + "insecure"] = bool(args.insecure)
     options[prefix + "tls"] = bool(args.tls_pem)
-    return {pem: _read_pem(args.tls_pem)} if args.tls_pem else {}
+    extra = {pem: _read_pem(args.tls_pem)} if args.tls_pem else {}
+    options[prefix + "metrics"] = args.metrics_port is not None
+    if args.metrics_port is not None:
+        options[prefix + "metrics_port"] = args.metrics_port
+        if args.tls_pem and not args.monitoring_ca:
+            raise BadInput(
+                "--metrics-port with --tls-pem needs --monitoring-ca: it answers the monitoring host's certificate"
+            )
+    if args.monitoring_ca:
+        from vlserve.ops.units import FLEET_CLIENTS_CA  # noqa: PLC0415
+
+        extra[FLEET_CLIENTS_CA] = _read_pem(args.monitoring_ca, key=False)
+    return extra
+
+
+def _one_clients_ca(extra: dict[str, str], path: str, text: str, flag: str) -> None:
+    """The fleet front's, the peers' and the monitoring host's client certificates share one CA file."""
+    if extra.get(path, text) != text:
+        raise BadInput(
+            "%s and --monitoring-ca must name the same CA: the front checks every client certificate against one" % flag
+        )
+    extra[path] = text
 
 
 def _read_pem(path: str, key: bool = True) -> str:
@@ -105,7 +126,7 @@ def cmd_render_units(args: argparse.Namespace) -> int:
     if args.fleet_ca:
         if not args.tls_pem:
             raise BadInput("--fleet-ca needs --tls-pem: the front checks the fleet front's certificate over TLS")
-        extra[FLEET_CLIENTS_CA] = _read_pem(args.fleet_ca, key=False)
+        _one_clients_ca(extra, FLEET_CLIENTS_CA, _read_pem(args.fleet_ca, key=False), "--fleet-ca")
     context = units_context(result, options)
     problem = exposure_problem(context["front"])
     if problem:
@@ -175,7 +196,7 @@ def cmd_render_fleet(args: argparse.Namespace) -> int:
         if not (args.client_pem and args.peers_ca and args.peer_name):
             raise BadInput("--peer needs --peer-name, --client-pem and --peers-ca: peers speak mutual TLS")
         options["peers"], options["peer_name"] = args.peer, args.peer_name
-        extra[FLEET_CLIENTS_CA] = _read_pem(args.peers_ca, key=False)
+        _one_clients_ca(extra, FLEET_CLIENTS_CA, _read_pem(args.peers_ca, key=False), "--peers-ca")
     try:
         context = fleet_context(backends, options)
     except ValueError as error:
@@ -201,6 +222,20 @@ def _add_front_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tls-pem", dest="tls_pem", metavar="FILE", help="the front's certificate chain and private key, one PEM file"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        dest="metrics_port",
+        type=int,
+        metavar="PORT",
+        help="open a port for Prometheus: HAProxy's metrics at /metrics/front (and each worker's at /metrics/worker/N)",
+    )
+    parser.add_argument(
+        "--monitoring-ca",
+        dest="monitoring_ca",
+        metavar="FILE",
+        help="the CA (PEM) of the monitoring host's client certificate, whose name starts with %r: over TLS the "
+        "metrics port answers it alone" % MONITORING_CLIENT_CN,
     )
     parser.add_argument(
         "--insecure",

@@ -18,6 +18,8 @@ from vlserve.sizing.contract import (
     FLEET_CLIENTS_CA,
     FLEET_PEM,
     FRONT_PEM,
+    FRONT_PUBLIC_CERTIFICATE,
+    MONITORING_CLIENT_CN,
     REQUEST_ID,
     TLS_DIR,
 )
@@ -135,6 +137,7 @@ def _front(options: dict[str, Any], prefix: str, pem: str, clients_map: str) -> 
         "max_authorization_chars": MAX_AUTHORIZATION_CHARS,
         "request_id_pattern": REQUEST_ID,
         "peers": None,  # a fleet front's, where there are several (fleet_context)
+        "metrics": _metrics(options, prefix, tls),
         "state_file": None,  # a fleet front's (fleet_context)
         # What a request that names no max_tokens reserves against a tokens-per-minute limit.
         "default_max_tokens": int((options.get("settings") or {}).get("max_tokens_default", 512)),
@@ -192,8 +195,23 @@ def units_context(plan: dict[str, Any], options: dict[str, Any]) -> dict[str, An
             # Where this host reaches its own front (checks, the play's test question).
             local_address="127.0.0.1" if options["front_bind"] in ("0.0.0.0", "::") else options["front_bind"],
             fleet_only=_fleet_only(options),
+            # Its certificate chain alone, readable by the workers (their expiry metric).
+            public_certificate=FRONT_PUBLIC_CERTIFICATE,
         ),
         "error_pages": _error_pages(),
+    }
+
+
+def _metrics(options: dict[str, Any], prefix: str, tls: bool) -> dict[str, Any] | None:
+    """The port Prometheus scrapes a front on (its own metrics and, on a host, each worker's), where a
+    monitoring host exists: over TLS, to the monitoring host's client certificate alone."""
+    if not _truthy(options.get(prefix + "metrics", False)):
+        return None
+    return {
+        "port": int(options[prefix + "metrics_port"]),
+        "ca": FLEET_CLIENTS_CA if tls else None,
+        "client_cn": MONITORING_CLIENT_CN,
+        "refusal": error_body("the metrics answer only the monitoring host", "permission_error", "monitoring_only"),
     }
 
 
@@ -225,19 +243,26 @@ def _error_pages() -> list[dict[str, Any]]:
     ]
 
 
+def host_address(name: str, host: Any, bind_variable: str) -> str:
+    """Where other hosts reach a host's front, from the inventory: its vlserve_fleet_address, else the
+    address its front binds (`bind_variable`) where that is one address, else its ansible_host."""
+    bind = host.get(bind_variable, "0.0.0.0")
+    return host.get("vlserve_fleet_address") or (
+        bind if bind not in ("0.0.0.0", "::") else host.get("ansible_host", name)
+    )
+
+
 def fleet_backends(hosts: list[str], hostvars: Any) -> list[dict[str, Any]]:
     """One server per service host, from the inventory: where its front listens, and a weight of its
     worker count (its plan's, from this run's vlserve_facts) so least-connections sees its capacity."""
     backends = []
     for name in hosts:
         host = hostvars[name]
-        bind = host.get("vlserve_deploy_front_bind", "0.0.0.0")
         plan = host.get("vlserve_plan") or {}
         backends.append(
             {
                 "name": name,
-                "address": host.get("vlserve_fleet_address")
-                or (bind if bind not in ("0.0.0.0", "::") else host.get("ansible_host", name)),
+                "address": host_address(name, host, "vlserve_deploy_front_bind"),
                 "port": int(host.get("vlserve_deploy_front_port", 8100)),
                 # The host's front speaks TLS unless its inventory turned it off (the role's default: on).
                 "tls": _truthy(host.get("vlserve_deploy_front_tls", True)),

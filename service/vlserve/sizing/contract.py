@@ -40,6 +40,9 @@ FLEET_BACKEND_CA = TLS_DIR + "/fleet-backends-ca.crt"  # what the fleet front ch
 FLEET_CLIENT_PEM = TLS_DIR + "/fleet-client.pem"
 FLEET_CLIENTS_CA = TLS_DIR + "/fleet-clients-ca.crt"
 FLEET_CLIENT_CN = "vlserve fleet front"
+# The monitoring host's client certificate (same CA, same file on the hosts): its name starts so, and
+# the fronts' metrics port answers it alone.
+MONITORING_CLIENT_CN = "vlserve monitoring"
 FRONT_CERTIFICATES = (FRONT_PEM, FLEET_PEM, FLEET_CLIENT_PEM)
 # The host front's certificate chain again, without its key and readable by all: the workers export
 # its end of validity (vlserve_certificate_not_after_seconds) for the expiry alert.
