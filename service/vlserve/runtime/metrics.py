@@ -85,24 +85,7 @@ class Metrics:
         process = psutil.Process()
         self.anonymous_memory.set_function(lambda: anonymous_memory(process))
         self.ready = Gauge("vlserve_ready", "1 once the model is loaded and warmed up", registry=registry)
-        # What the alerts compare with the unit's limits: all the memory the cgroup is charged (page
-        # cache of the weights included, which MemoryHigh counts too), and the limits themselves.
-        cgroup = own_cgroup()
-        for name, file, text in (
-            ("vlserve_cgroup_memory_bytes", "memory.current", "Memory charged to this worker's cgroup"),
-            ("vlserve_cgroup_memory_high_bytes", "memory.high", "Its MemoryHigh (+Inf: none)"),
-            ("vlserve_cgroup_memory_max_bytes", "memory.max", "Its MemoryMax (+Inf: none)"),
-        ):
-            Gauge(name, text, registry=registry).set_function(lambda file=file: cgroup_value(cgroup, file))
-        self.own_kernels = Gauge(
-            "vlserve_own_kernels", "1 while vlserve's own kernels serve the products, 0 on torch's", registry=registry
-        )
-        Gauge(
-            "vlserve_certificate_not_after_seconds",
-            "When the host front's certificate ends (Unix time; NaN: no such certificate)",
-            ["path"],
-            registry=registry,
-        ).labels(FRONT_PUBLIC_CERTIFICATE).set_function(lambda: certificate_end(FRONT_PUBLIC_CERTIFICATE))
+        self.own_kernels = self._alert_gauges(registry)
         for cache in ("result", "vision"):
             self.cache_hits.labels(cache)
             self.cache_misses.labels(cache)
@@ -126,6 +109,29 @@ class Metrics:
         )
         self._client_labels: set[str] = set()
         self._client_lock = threading.Lock()
+
+    @staticmethod
+    def _alert_gauges(registry: CollectorRegistry) -> Gauge:
+        """What the alerts compare with the unit's limits and the host's state: all the memory the
+        cgroup is charged (page cache of the weights included, which MemoryHigh counts too) and the
+        limits themselves, when the front's certificate ends, and (returned, bound to the engine
+        later) whether vlserve's own kernels run."""
+        cgroup = own_cgroup()
+        for name, file, text in (
+            ("vlserve_cgroup_memory_bytes", "memory.current", "Memory charged to this worker's cgroup"),
+            ("vlserve_cgroup_memory_high_bytes", "memory.high", "Its MemoryHigh (+Inf: none)"),
+            ("vlserve_cgroup_memory_max_bytes", "memory.max", "Its MemoryMax (+Inf: none)"),
+        ):
+            Gauge(name, text, registry=registry).set_function(lambda file=file: cgroup_value(cgroup, file))
+        Gauge(
+            "vlserve_certificate_not_after_seconds",
+            "When the host front's certificate ends (Unix time; NaN: no such certificate)",
+            ["path"],
+            registry=registry,
+        ).labels(FRONT_PUBLIC_CERTIFICATE).set_function(lambda: certificate_end(FRONT_PUBLIC_CERTIFICATE))
+        return Gauge(
+            "vlserve_own_kernels", "1 while vlserve's own kernels serve the products, 0 on torch's", registry=registry
+        )
 
     def bind_engine(self, engine: Any) -> None:
         self.ready.set_function(lambda: 1.0 if engine.ready else 0.0)
