@@ -12,7 +12,6 @@ import pathlib
 import re
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import warnings
@@ -23,7 +22,7 @@ import pytest
 import yaml
 
 from conftest import TOOL_ENV, free_port, run_tool
-from harness.haproxy import Front, self_signed
+from harness.haproxy import Front, issue, self_signed
 from vlserve.bench.servers import LocalServer
 from vlserve.ops import clients, units
 
@@ -40,36 +39,6 @@ KEY_FILE = [
     {"name": "carol", "key": KEYS["carol"], "limits": {"models": ["another-model"]}},
     {"name": "dave", "key": KEYS["dave"], "limits": {"tokens_per_minute": 20}},
 ]
-
-
-def issue(
-    directory: pathlib.Path, name: str, common_name: str, usage: str, ca: pathlib.Path | None = None
-) -> pathlib.Path:
-    """A certificate signed by the CA in `directory` (made by the first call, `ca` None): its chain and
-    key in one PEM, as HAProxy takes it. `usage`: serverAuth (for 127.0.0.1) or clientAuth."""
-    key, cert = directory / (name + ".key"), directory / (name + ".crt")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key)]
-    if ca is None:
-        subprocess.run(
-            ["openssl", "req", "-x509", *ec, "-out", str(cert), "-days", "2", "-subj", "/CN=" + common_name,
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        return cert
-    extensions = directory / (name + ".ext")
-    names = "\nsubjectAltName=IP:127.0.0.1" if usage == "serverAuth" else ""
-    extensions.write_text("extendedKeyUsage=%s%s\n" % (usage, names))
-    request = subprocess.run(
-        ["openssl", "req", "-new", *ec, "-subj", "/CN=" + common_name], check=True, capture_output=True
-    ).stdout
-    subprocess.run(
-        ["openssl", "x509", "-req", "-CA", str(ca), "-CAkey", str(ca.with_suffix(".key")), "-days", "2",
-         "-extfile", str(extensions), "-out", str(cert)],
-        input=request, check=True, capture_output=True,
-    )  # fmt: skip
-    pem = directory / (name + ".pem")
-    pem.write_text(cert.read_text() + key.read_text())
-    return pem
 
 
 @pytest.fixture(scope="module")

@@ -9,46 +9,30 @@ write, run as a plain process on loopback.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import shlex
-import shutil
 import ssl
 import subprocess
 import time
 
 import httpx
 
-from harness.host import CACHE
+from harness.debs import environment, unpacked
 
 # (socat: what the fleet front's unit saves HAProxy's server state with)
 PACKAGES = ("haproxy", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1", "socat", "libwrap0")
 RENDERED_PATHS = r"(?<![\w/])/(etc/vlserve|run/vlserve-[a-z]+|var/lib/vlserve-[a-z]+)/"
-ROOT = CACHE / "haproxy"
 
 
 def haproxy_binary() -> tuple[pathlib.Path, dict[str, str]]:
     """The haproxy executable and the environment that finds its libraries."""
-    binary = ROOT / "usr" / "sbin" / "haproxy"
-    libraries = ROOT / "usr" / "lib" / "x86_64-linux-gnu"
-    if not (ROOT / "usr" / "bin" / "socat").exists():  # (a cache from before socat was added)
-        shutil.rmtree(ROOT, ignore_errors=True)
-    if not binary.exists():
-        downloads = CACHE / "haproxy-debs"
-        downloads.mkdir(parents=True, exist_ok=True)
-        download = ["apt-get", "download", *PACKAGES]
-        if subprocess.run(download, cwd=downloads, capture_output=True, check=False).returncode != 0:
-            # A fresh machine may have no package lists yet (the setup updates them only to install).
-            subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True)
-            subprocess.run(download, cwd=downloads, check=True, capture_output=True)
-        staging = ROOT.with_suffix(".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        for deb in sorted(downloads.glob("*.deb")):
-            subprocess.run(["dpkg-deb", "-x", str(deb), str(staging)], check=True)
-        staging.rename(ROOT)
-    environment = dict(os.environ, LD_LIBRARY_PATH=str(libraries))
-    return binary, environment
+    root = unpacked("haproxy", PACKAGES, "usr/bin/socat")
+    return root / "usr" / "sbin" / "haproxy", environment(root)
+
+
+def socat_binary() -> pathlib.Path:
+    return unpacked("haproxy", PACKAGES, "usr/bin/socat") / "usr" / "bin" / "socat"
 
 
 def self_signed(directory: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
@@ -64,6 +48,36 @@ def self_signed(directory: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     pem = directory / "front.pem"
     pem.write_text(cert.read_text() + key.read_text())
     return pem, cert
+
+
+def issue(
+    directory: pathlib.Path, name: str, common_name: str, usage: str, ca: pathlib.Path | None = None
+) -> pathlib.Path:
+    """A certificate signed by the CA in `directory` (made by the first call, `ca` None): its chain and
+    key in one PEM, as HAProxy takes it. `usage`: serverAuth (for 127.0.0.1) or clientAuth."""
+    key, cert = directory / (name + ".key"), directory / (name + ".crt")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key)]
+    if ca is None:
+        subprocess.run(
+            ["openssl", "req", "-x509", *ec, "-out", str(cert), "-days", "2", "-subj", "/CN=" + common_name,
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return cert
+    extensions = directory / (name + ".ext")
+    names = "\nsubjectAltName=IP:127.0.0.1" if usage == "serverAuth" else ""
+    extensions.write_text("extendedKeyUsage=%s%s\n" % (usage, names))
+    request = subprocess.run(
+        ["openssl", "req", "-new", *ec, "-subj", "/CN=" + common_name], check=True, capture_output=True
+    ).stdout
+    subprocess.run(
+        ["openssl", "x509", "-req", "-CA", str(ca), "-CAkey", str(ca.with_suffix(".key")), "-days", "2",
+         "-extfile", str(extensions), "-out", str(cert)],
+        input=request, check=True, capture_output=True,
+    )  # fmt: skip
+    pem = directory / (name + ".pem")
+    pem.write_text(cert.read_text() + key.read_text())
+    return pem
 
 
 class Front:
@@ -98,7 +112,7 @@ class Front:
                 command = command.replace("/usr/sbin/haproxy", str(self.binary)).replace(
                     "$MAINPID", str(self.process.pid)
                 )
-                command = command.replace("/usr/bin/socat", str(ROOT / "usr" / "bin" / "socat"))
+                command = command.replace("/usr/bin/socat", str(socat_binary()))
                 commands.append(shlex.split(command))
         return commands
 
