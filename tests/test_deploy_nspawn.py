@@ -116,11 +116,11 @@ def get(host_vars, path, key=True, **kwargs):
     )
 
 
-def ask(host_vars, timeout=60):
+def ask(host_vars, timeout=60, **headers):
     return httpx.post(
         front(host_vars) + "/v1/chat/completions",
         json=image_question(png_bytes(), max_tokens=4),
-        headers=default_key(),
+        headers=default_key() | headers,
         verify=trust(),
         timeout=timeout,
     )
@@ -139,11 +139,21 @@ def test_check_mode_on_a_host_never_tuned_changes_nothing(guest, workdir, host_v
     assert guest.tree_digest("/etc", "/opt") == before
 
 
-def test_the_front_answers_a_question_about_an_image(deployed, host_vars):
-    response = ask(host_vars)
+def test_the_front_answers_a_question_about_an_image_and_the_journal_finds_it_by_its_id(guest, deployed, host_vars):
+    response = ask(host_vars, **{"X-Request-Id": "deploy-tier-0001"})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert "Ask the front a real question about an image" in deployed.stdout
+    # The worker's record, by the ID the client sent, in structured journal fields; and the front's line.
+    assert response.headers["x-request-id"] == "deploy-tier-0001"
+    found = guest.ssh("journalctl -u 'vlserve@*' REQUEST_ID=deploy-tier-0001 -o json --no-pager").stdout
+    records = [json.loads(line) for line in found.splitlines() if line.strip()]
+    assert len(records) == 1, found
+    record = records[0]
+    assert record["REQUEST_STATUS"] == "200" and record["REQUEST_CLIENT"] == "default", record
+    assert int(record["REQUEST_TTFT_MS"]) >= 0 and int(record["REQUEST_COMPLETION_TOKENS"]) >= 1, record
+    assert record["_SYSTEMD_UNIT"].startswith("vlserve@") and record["SYSLOG_IDENTIFIER"] == "vlserve"
+    assert "deploy-tier-0001" in guest.ssh("journalctl -u vlserve-front --no-pager -o cat -g deploy-tier-0001").stdout
 
 
 def test_the_workers_follow_the_plan(guest, workdir, deployed, host_vars):

@@ -280,6 +280,27 @@ def test_a_second_run_changes_nothing_and_drains_nothing(hosts, workdir, tiny_mo
     assert batches.split("\n", 2)[1].strip() == "skipping: no hosts matched", batches[:2000]
 
 
+def fleet_state(front, host: str) -> int:
+    """A host's srv_admin_state in the fleet front (8: drained by hand), from its runtime socket."""
+    shown = front.ssh("echo 'show servers state vlserve_fleet' | socat stdio /run/vlserve-fleet/admin.sock").stdout
+    return next(int(f[6]) for f in (line.split() for line in shown.splitlines()) if len(f) > 6 and f[3] == host)
+
+
+def test_a_drained_host_stays_drained_across_a_reload_and_a_restart_of_the_fleet_front(hosts, deployed):
+    front = hosts[FRONT[0]]
+    front.ssh("echo 'set server vlserve_fleet/fleet-3 state drain' | socat stdio /run/vlserve-fleet/admin.sock")
+    assert fleet_state(front, "fleet-3") & 8
+    for action in ("reload", "restart"):  # as the unit does them: the state saved first, loaded back
+        assert front.ssh("systemctl %s vlserve-fleet.service" % action).returncode == 0
+        time.sleep(2)  # the new HAProxy workers take the socket
+        assert fleet_state(front, "fleet-3") & 8, action
+    assert {o.headers.get("x-vlserve-host") for o in (ask(FLEET_URL) for _ in range(6))} <= {"fleet-1", "fleet-2"}
+    front.ssh("echo 'set server vlserve_fleet/fleet-3 state ready' | socat stdio /run/vlserve-fleet/admin.sock")
+    assert front.ssh("systemctl reload vlserve-fleet.service").returncode == 0
+    time.sleep(2)
+    assert fleet_state(front, "fleet-3") == 0
+
+
 QUESTIONS = itertools.count()  # each question new: the workers' result cache would answer a repeated one
 
 
