@@ -1,8 +1,9 @@
 """The toolkit's command line: one module per command group, each adding its own commands.
 
 host (probe, plan) | serve | kernels | render (render-units, render-fleet) | keys (keys new, keys
-check) | lock (model lock, model verify) | model (make-test-model) | bench (bench, bench-compare,
-autotune, bench-decode, quant-check, bench-bandwidth). `--model` is a checkpoint directory in every
+check) | lock (model lock, model verify) | deployment (save, restore, list) | model
+(make-test-model) | bench (bench, bench-compare, autotune, bench-decode, quant-check,
+bench-bandwidth). `--model` is a checkpoint directory in every
 command; the sizing policy's footprint is `--footprint`.
 """
 
@@ -13,12 +14,12 @@ import importlib.util
 import sys
 
 from vlserve import __version__
-from vlserve.cli import bench, host, kernels, keys, lock, model, render, serve
+from vlserve.cli import bench, deployment, host, kernels, keys, lock, model, render, serve
 from vlserve.cli.common import BadInput
 
 # The planner and the renderers run on a bare controller; the rest needs the service's stack
 # (`pip install vlserve[serve]`, what the hosts get), and is listed only where it is installed.
-BARE_GROUPS = (host, render, keys, lock)
+BARE_GROUPS = (host, render, keys, lock, deployment)
 SERVICE_GROUPS = (serve, kernels, model, bench)
 SERVICE_STACK = ("torch", "transformers", "fastapi", "uvicorn", "httpx")
 
