@@ -1,6 +1,6 @@
 """The deployments a host keeps (`vlserve deployment`), on trees that `vlserve render-units` writes as
 the deploy role would: what passed its gate is saved, a failed rollout's host gets the last good one
-back, and going back one deployment is done once however often it is asked."""
+back, and leaving a release is done once however often it is asked."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def activate(root: pathlib.Path, release: str, fingerprint: str) -> None:
     (root / "etc/vlserve/deployed").write_text(fingerprint + "\n")
 
 
-def test_a_failed_rollout_gets_the_last_good_deployment_back_and_going_back_is_done_once(tmp_path):
+def test_a_failed_rollout_gets_the_last_good_deployment_back_and_leaving_a_release_is_done_once(tmp_path):
     root = tmp_path / "host"
     first = deploy(root, "1.0-aaa", workers=1, max_pixels=40000)
     activate(root, "1.0-aaa", first)
@@ -74,35 +74,35 @@ def test_a_failed_rollout_gets_the_last_good_deployment_back_and_going_back_is_d
     activate(root, "1.2-ccc", broken)
     (root / "etc/vlserve/worker-1.env").unlink()
     restored = deployment(root, "restore")
-    assert restored["changed"] and restored["release"] == "1.1-bbb" and restored["workers"] == [0, 1]
+    assert (
+        restored["changed"] and restored["release"] == "1.1-bbb" and [w["index"] for w in restored["workers"]] == [0, 1]
+    )
     assert state(root) == second_state
     assert not deployment(root, "restore")["changed"]  # again: nothing to do
 
-    # Back one: the first deployment, its single worker (the second's files and drop-in go), its release.
-    back = deployment(root, "restore", "--previous")
-    assert back["changed"] and back["release"] == "1.0-aaa" and back["rolled_back_from"] == second[:16]
+    # Leaving release 1.1: the first deployment, its single worker (the second's files and drop-in
+    # go), its release; asked again, or of a host that does not run 1.1, nothing changes.
+    back = deployment(root, "restore", "--leaving", "1.1-bbb")
+    assert back["changed"] and back["release"] == "1.0-aaa" and back["left"] == [second[:16]]
     assert state(root) == good
-    again = deployment(root, "restore", "--previous")
-    assert not again["changed"] and again["already"] and state(root) == good
+    again = deployment(root, "restore", "--leaving", "1.1-bbb")
+    assert not again["changed"] and again["release"] == "1.0-aaa" and state(root) == good
     listed = deployment(root, "list")
     assert [d["release"] for d in listed["deployments"]] == ["1.0-aaa"] and listed["releases"] == ["1.0-aaa"]
 
 
-def test_a_new_save_ends_the_rollback_and_only_the_newest_are_kept(tmp_path):
+def test_leaving_a_release_goes_past_all_its_deployments_and_only_the_newest_are_kept(tmp_path):
     root = tmp_path / "host"
-    fingerprints = []
-    for number in range(4):
-        release = "1.%d-x" % number
-        fingerprints.append(deploy(root, release, workers=1, max_pixels=40000 + number))
-        activate(root, release, fingerprints[-1])
-        deployment(root, "save", "--fingerprint", fingerprints[-1], "--release", release, "--keep", "2")
-    assert [d["release"] for d in deployment(root, "list")["deployments"]] == ["1.2-x", "1.3-x"]
-    assert deployment(root, "restore", "--previous")["release"] == "1.2-x"
-    assert deployment(root, "save", "--fingerprint", fingerprints[2], "--release", "1.2-x")["changed"]
-    # The marker is gone: going back again is a new rollback, and there is nothing before 1.2-x left.
-    result = run_tool("vlserve", "deployment", "restore", "--previous", "--root", str(root))
+    for number, release in enumerate(["1.0-x", "1.1-x", "1.2-x", "1.2-x"]):  # 1.2 twice: a settings change
+        fingerprint = deploy(root, release, workers=1, max_pixels=40000 + number)
+        activate(root, release, fingerprint)
+        deployment(root, "save", "--fingerprint", fingerprint, "--release", release, "--keep", "3")
+    assert [d["release"] for d in deployment(root, "list")["deployments"]] == ["1.1-x", "1.2-x", "1.2-x"]
+    assert deployment(root, "restore", "--leaving", "1.2-x")["release"] == "1.1-x"
+    assert [d["release"] for d in deployment(root, "list")["deployments"]] == ["1.1-x"]
+    result = run_tool("vlserve", "deployment", "restore", "--leaving", "1.1-x", "--root", str(root))
     assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert "keeps no deployment before the one it runs" in result.stderr
+    assert "keeps no deployment of a release before 1.1-x" in result.stderr
 
 
 def test_a_deployment_whose_release_is_gone_is_refused_in_one_line(tmp_path):
@@ -116,7 +116,7 @@ def test_a_deployment_whose_release_is_gone_is_refused_in_one_line(tmp_path):
     assert result.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("command", [["restore"], ["restore", "--previous"]])
+@pytest.mark.parametrize("command", [["restore"], ["restore", "--leaving", "1.0-a"]])
 def test_a_host_with_nothing_kept_says_so(tmp_path, command):
     result = run_tool("vlserve", "deployment", *command, "--root", str(tmp_path))
     assert result.returncode == 2 and "nothing to go back to" in result.stderr

@@ -35,6 +35,7 @@ import pytest
 from harness import nspawn
 from harness.host import SSH_OPTIONS
 from harness.playbooks import play_inventory, recaps, write_fleet_inventory
+from harness.releases import build_release
 from sample_images import image_question, png_bytes
 
 REASON = nspawn.available()
@@ -444,6 +445,66 @@ def test_a_changed_setting_rolls_out_canary_first_one_host_at_a_time(hosts, work
         rollout_out_of_service_s=[[name, round(end - start, 1)] for (start, end), name in spans],
         rollout_requests=len(outcomes),
     )
+
+
+def current_release(host) -> str:
+    return host.ssh("readlink /opt/vlserve/current").stdout.strip().removeprefix("releases/")
+
+
+@pytest.mark.usefixtures("deployed")
+def test_a_release_failing_on_the_second_host_is_rolled_back_there_then_rollback_yml_leaves_it(
+    hosts, workdir, tiny_model, torch_wheel, tmp_path_factory
+):
+    """A new release with a start timeout the second host cannot meet (its workers need longer than
+    1 s to load): the canary takes it, the second host fails its start and gets its last good
+    deployment back, in the fleet front again, the third is never reached; then rollback.yml leaves
+    the new release on every host that runs it (the canary), and a second run changes nothing. A
+    client loops through the fleet front the whole time."""
+    old = {name: current_release(hosts[name]) for name in SERVICE}
+    assert len(set(old.values())) == 1
+    new = build_release(tmp_path_factory.mktemp("fleet-release"), marker="fleet-rollback")
+    new_name = "%s-%s" % (new["version"], new["sha256"][:12])
+    common = fleet_vars(tiny_model, torch_wheel, vlserve_deploy_release_wheel=new["path"],
+                        vlserve_deploy_settings={"max_pixels": 40000})  # fmt: skip
+    watch = Watch(hosts[FRONT[0]])
+    client = Client()
+    client.start()
+    path = inventory(workdir, hosts, per_host={"fleet-2": {"vlserve_deploy_start_timeout_s": 1}}, **common)
+    started = time.monotonic()
+    result = play_inventory(path, "site.yml")
+    took = time.monotonic() - started
+    time.sleep(3)
+    outcomes = client.stop()
+    events = watch.stop()
+    assert result.returncode != 0
+    said = " ".join(result.stdout.split())
+    assert "fleet-2 failed its rollout at" in said, said[-6000:]
+    assert "it runs its last good deployment (%s) again and is back in the fleet front" % old["fleet-2"] in said
+    assert [current_release(hosts[name]) for name in SERVICE] == [new_name, old["fleet-2"], old["fleet-3"]]
+    assert "fleet-3" not in [h for h, c in recaps(result).items() if c["changed"]]
+    assert "TimeoutStartSec=900" in hosts["fleet-2"].ssh("cat /etc/systemd/system/vlserve@.service").stdout
+    intervals = out_of_service(events)
+    assert intervals["fleet-2"][-1][1] != float("inf"), events  # drained, then back
+    assert fleet_state(hosts[FRONT[0]], "fleet-2") == 0
+    failures = [o for o in outcomes if o[1] != 200]
+    assert len(outcomes) > 5 and not failures, failures
+    served_by = {o[2] for o in outcomes if o[0] > intervals["fleet-2"][-1][1] + 1}
+    assert "fleet-2" in served_by, served_by
+
+    client = Client()
+    client.start()
+    started_back = time.monotonic()
+    back = play_inventory(path, "playbooks/rollback.yml")
+    took_back = time.monotonic() - started_back
+    again = play_inventory(path, "playbooks/rollback.yml")
+    outcomes = client.stop()
+    assert back.returncode == 0, back.stdout[-6000:]
+    assert [current_release(hosts[name]) for name in SERVICE] == [old[name] for name in SERVICE]
+    assert [h for h, c in recaps(back).items() if c["changed"]] == ["fleet-1"], back.stdout[-4000:]
+    assert again.returncode == 0 and all(c["changed"] == 0 for c in recaps(again).values()), again.stdout[-4000:]
+    failures = [o for o in outcomes if o[1] != 200]
+    assert len(outcomes) > 5 and not failures, failures
+    record(rolled_back_rollout_s=round(took, 1), rollback_play_s=round(took_back, 1), rollback_requests=len(outcomes))
 
 
 @pytest.mark.usefixtures("deployed")

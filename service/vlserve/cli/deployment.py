@@ -37,14 +37,15 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     store = _store(args)
     try:
-        if args.previous:
-            result = store.go_back(managed_files(), args.current_link, args.fingerprint_file)
+        if args.leaving:
+            result = store.go_back(args.leaving, managed_files(), args.current_link, args.fingerprint_file)
         else:
             result = store.restore(store.last_good(), managed_files(), args.current_link, args.fingerprint_file)
     except DeploymentError as error:
         raise BadInput(str(error)) from None
     plan = json.loads((pathlib.Path(args.root or "/") / PLAN_FILE.lstrip("/")).read_text())
-    print(json.dumps(dict(result, workers=[worker["index"] for worker in plan["worker_list"]])))
+    workers = [{"index": worker["index"], "port": worker["port"]} for worker in plan["worker_list"]]
+    print(json.dumps(dict(result, workers=workers)))
     return 0
 
 
@@ -74,9 +75,12 @@ def add_commands(commands) -> None:
     common(save)
     save.set_defaults(handler=cmd_save)
 
-    restore = deployment.add_parser("restore", help="put back the last deployment kept, or the one before it")
+    restore = deployment.add_parser("restore", help="put back the last deployment kept, or leave a release")
     restore.add_argument(
-        "--previous", action="store_true", help="the one before the last (the last is dropped); again: nothing"
+        "--leaving",
+        metavar="RELEASE",
+        help="leave this release: a host that runs it gets its newest deployment of an earlier one back (a host "
+        "that does not run it is left alone)",
     )
     restore.add_argument(
         "--current-link", default=CURRENT_LINK, help="the install's current link (default: %(default)s)"

@@ -10,9 +10,10 @@ checkpoint is gigabytes; the model lock's check stops a host whose model no long
 
 On the host: DEPLOYMENTS_DIR/<id>/files/<the file's absolute path> and <id>/meta.json, and
 history.json, the ids oldest first, the last one what the host runs. `restore(last_good)` puts back
-what the host ran before a failed rollout (the failed deployment was never saved). `go_back()` puts
-back the one before the last, drops the last (it was rolled back), and writes rolled-back.json, so
-a second run finds the host already there and changes nothing. A new save clears it.
+what the host ran before a failed rollout (the failed deployment was never saved). `go_back(release)`
+leaves a release: a host that runs it gets the newest deployment of an earlier release back (the
+newer ones are dropped); a host that does not run it is left alone, so running it again changes
+nothing.
 
 It runs on hosts, from the installed release (`vlserve deployment`).
 """
@@ -95,7 +96,6 @@ class Deployments:
         self.root = root
         self.directory = _under(root, directory)
         self.history_file = os.path.join(self.directory, "history.json")
-        self.rolled_back_file = os.path.join(self.directory, "rolled-back.json")
 
     def history(self) -> list[str]:
         return _read_json(self.history_file, [])
@@ -129,9 +129,6 @@ class Deployments:
             for dropped in history[:-keep]:
                 shutil.rmtree(os.path.join(self.directory, dropped), ignore_errors=True)
             _write_json(self.history_file, history[-keep:])
-        if os.path.exists(self.rolled_back_file):
-            os.unlink(self.rolled_back_file)
-            changed = True
         return {"changed": changed, "deployment": deployment, "release": release}
 
     def restore(self, deployment: str, managed: list[str], current_link: str, fingerprint_file: str) -> dict[str, Any]:
@@ -178,17 +175,28 @@ class Deployments:
             raise DeploymentError("no deployment of this host has passed its health gate yet: nothing to go back to")
         return history[-1]
 
-    def go_back(self, managed: list[str], current_link: str, fingerprint_file: str) -> dict[str, Any]:
-        """The deployment before the last one, put back; again: nothing (rolled-back.json says so)."""
+    def go_back(self, release: str, managed: list[str], current_link: str, fingerprint_file: str) -> dict[str, Any]:
+        """Leave `release`: put back the newest kept deployment of another release, and drop the newer
+        ones (they ran the release left). A host that does not run it (never reached by its rollout,
+        or already back) is left as it is: running this again changes nothing."""
         history = self.history()
-        done = _read_json(self.rolled_back_file, None)
-        if done is not None and history[-1:] == [done["to"]]:
-            result = self.restore(done["to"], managed, current_link, fingerprint_file)
-            return dict(result, rolled_back_from=done["from"], already=True)
-        if len(history) < 2:
-            raise DeploymentError("this host keeps no deployment before the one it runs: nothing to go back to")
-        result = self.restore(history[-2], managed, current_link, fingerprint_file)
-        shutil.rmtree(os.path.join(self.directory, history[-1]), ignore_errors=True)
-        _write_json(self.history_file, history[:-1])
-        _write_json(self.rolled_back_file, {"from": history[-1], "to": history[-2], "at": int(time.time())})
-        return dict(result, changed=True, rolled_back_from=history[-1], already=False)
+        if not history:
+            raise DeploymentError("no deployment of this host has passed its health gate yet: nothing to go back to")
+        if self.meta(history[-1])["release"] != release:
+            return {
+                "changed": False,
+                "deployment": history[-1],
+                "release": self.meta(history[-1])["release"],
+                "files": [],
+            }
+        earlier = [deployment for deployment in history if self.meta(deployment)["release"] != release]
+        if not earlier:
+            raise DeploymentError(
+                "this host keeps no deployment of a release before %s: nothing to go back to" % release
+            )
+        result = self.restore(earlier[-1], managed, current_link, fingerprint_file)
+        left = history[history.index(earlier[-1]) + 1 :]
+        for dropped in left:
+            shutil.rmtree(os.path.join(self.directory, dropped), ignore_errors=True)
+        _write_json(self.history_file, history[: history.index(earlier[-1]) + 1])
+        return dict(result, changed=True, left=left)
