@@ -5,9 +5,11 @@ sshd, the host's front and its workers all bind there), so nothing but loopback 
 order: site.yml over the four hosts serves through the fleet front and a second run changes and
 drains nothing (every host converges at once, no batch runs); a changed setting rolls out a canary
 first, then one host at a time, each drained and back before the next, with no failed request of a
-client looping through the fleet front; a broken model on the second host stops the rollout there,
-the third keeps its old settings and the front routes around the drained host; a host that loses
-power leaves the front within its checks.
+client looping through the fleet front; a host drained by hand stays drained across a reload and a
+restart of the fleet front; a new release failing on the second host is rolled back there by the
+play itself and then left by playbooks/rollback.yml, with no failed request; a broken model on the
+second host stops the rollout there, the third keeps its old settings and the front routes around
+the drained host; a host that loses power leaves the front within its checks.
 
 Exposure (docs/exposing.md) on the way: the fleet front speaks TLS 1.2/1.3 to curl and the openai
 client, each host front answers only the fleet front's client certificate, two clients' keys with
