@@ -475,7 +475,7 @@ def test_a_release_failing_on_the_second_host_is_rolled_back_there_then_rollback
     started = time.monotonic()
     result = play_inventory(path, "site.yml")
     took = time.monotonic() - started
-    time.sleep(3)
+    time.sleep(5)  # the client's requests after the second host came back
     outcomes = client.stop()
     events = watch.stop()
     assert result.returncode != 0
