@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from conftest import TOOL_ENV, free_port, run_tool
-from harness.haproxy import Front, issue, self_signed
+from harness.haproxy import Front, fleet_certificates, self_signed
 from vlserve.bench.servers import LocalServer
 from vlserve.ops import clients, units
 
@@ -284,14 +284,7 @@ def behind_fleet(fronted, tmp_path_factory):
     """The same worker behind a host front that answers only the fleet front (mutual TLS), and a fleet
     front before it, with certificates from one private CA, as the roles make them."""
     work = tmp_path_factory.mktemp("fleet")
-    ca = issue(work, "ca", "test private CA", "")
-    pems = {
-        "host": issue(work, "host", "127.0.0.1", "serverAuth", ca),
-        "fleet": issue(work, "fleet", "127.0.0.1", "serverAuth", ca),
-        # (as the role makes it: a client certificate, and the peers' own between fleet fronts)
-        "client": issue(work, "client", units.FLEET_CLIENT_CN + " f1", "clientAuth,serverAuth", ca),
-        "stranger": issue(work, "stranger", "someone else", "clientAuth", ca),
-    }
+    ca, pems = fleet_certificates(work, stranger="someone else")
     keys = work / "keys.yml"
     keys.write_text(yaml.safe_dump(KEY_FILE))
     host_port, fleet_port = free_port(), free_port()

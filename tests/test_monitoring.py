@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import REPO, TOOL_ENV, free_port, run_tool
-from harness.haproxy import Front, issue
+from harness.haproxy import Front, fleet_certificates
 from harness.prometheus import ROLE, Prometheus, render, tool
 from sample_images import image_question, png_bytes
 from vlserve.bench.servers import LocalServer
@@ -97,14 +97,9 @@ def fleet(tiny_model, tmp_path_factory):
     """A worker behind a host front and a fleet front, both with their metrics port (mutual TLS, the
     private CA), the monitoring host's client certificate, and a Prometheus configured by the role."""
     work = tmp_path_factory.mktemp("monitored")
-    ca = issue(work, "ca", "test private CA", "")
-    pems = {
-        "host": issue(work, "host", "127.0.0.1", "serverAuth", ca),
-        "fleet": issue(work, "fleet", "127.0.0.1", "serverAuth", ca),
-        "fleet-client": issue(work, "fleet-client", contract.FLEET_CLIENT_CN + " f1", "clientAuth,serverAuth", ca),
-        "monitoring": issue(work, "monitoring", contract.MONITORING_CLIENT_CN + " m1", "clientAuth", ca),
-        "stranger": issue(work, "stranger", contract.FLEET_CLIENT_CN + " f9", "clientAuth", ca),
-    }
+    ca, pems = fleet_certificates(
+        work, monitoring=contract.MONITORING_CLIENT_CN + " m1", stranger=contract.FLEET_CLIENT_CN + " f9"
+    )
     (work / "keys.yml").write_text(yaml.safe_dump({"vlserve_clients": [{"name": "alice", "key": KEY}]}))
     worker_port, host_port, host_metrics, fleet_port, fleet_metrics = (free_port() for _ in range(5))
     host_tree, fleet_tree = work / "host", work / "front"
@@ -118,14 +113,14 @@ def fleet(tiny_model, tmp_path_factory):
     fleet_rendered = run_tool(
         "vlserve", "render-fleet", "--out", str(fleet_tree), "--backend", "h1=127.0.0.1:%d" % host_port,
         "--port", str(fleet_port), "--bind", "127.0.0.1", "--clients", str(work / "keys.yml"),
-        "--tls-pem", str(pems["fleet"]), "--backend-ca", str(ca), "--client-pem", str(pems["fleet-client"]),
+        "--tls-pem", str(pems["fleet"]), "--backend-ca", str(ca), "--client-pem", str(pems["client"]),
         "--check-interval-s", "1", "--metrics-port", str(fleet_metrics), "--monitoring-ca", str(ca),
     )  # fmt: skip
     assert fleet_rendered.returncode == 0, fleet_rendered.stderr
     worker = LocalServer(tiny_model, port=worker_port, environment=TOOL_ENV).wait_ready(timeout_s=180)
     trust = ssl.create_default_context(cafile=str(ca))
     as_fleet = ssl.create_default_context(cafile=str(ca))
-    as_fleet.load_cert_chain(str(pems["fleet-client"]))
+    as_fleet.load_cert_chain(str(pems["client"]))
     host = Front(host_tree, units.CONFIG_FILES["haproxy.cfg.j2"]).start(
         "https://127.0.0.1:%d/readyz" % host_port, as_fleet
     )

@@ -19,6 +19,7 @@ import time
 import httpx
 
 from harness.debs import environment, unpacked
+from vlserve.sizing.contract import FLEET_CLIENT_CN
 
 # (socat: what the fleet front's unit saves HAProxy's server state with)
 PACKAGES = ("haproxy", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1", "socat", "libwrap0")
@@ -78,6 +79,21 @@ def issue(
     pem = directory / (name + ".pem")
     pem.write_text(cert.read_text() + key.read_text())
     return pem
+
+
+def fleet_certificates(directory: pathlib.Path, **clients: str) -> tuple[pathlib.Path, dict[str, pathlib.Path]]:
+    """A private CA and what the roles make with it: the host front's and the fleet front's
+    certificates (for 127.0.0.1) and the fleet front's client certificate ("client", also what the
+    peers show one another); `clients`: more client certificates, name -> common name."""
+    ca = issue(directory, "ca", "test private CA", "")
+    pems = {
+        "host": issue(directory, "host", "127.0.0.1", "serverAuth", ca),
+        "fleet": issue(directory, "fleet", "127.0.0.1", "serverAuth", ca),
+        "client": issue(directory, "client", FLEET_CLIENT_CN + " f1", "clientAuth,serverAuth", ca),
+    }
+    for name, common_name in clients.items():
+        pems[name] = issue(directory, name, common_name, "clientAuth", ca)
+    return ca, pems
 
 
 class Front:

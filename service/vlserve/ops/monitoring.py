@@ -28,24 +28,29 @@ def _group(address: str, port: int, tls: bool, path: str, labels: dict[str, str]
     }
 
 
+def _front_target(name: str, host: Any, prefix: str, front_prefix: str) -> tuple[str, int, bool]:
+    """Where Prometheus reaches a front's metrics port: address, port, TLS, from the role variables
+    with these prefixes ("vlserve_deploy_" and "vlserve_deploy_front_", or "vlserve_front_" twice)."""
+    return (
+        host_address(name, host, front_prefix + "bind"),
+        int(host.get(prefix + "metrics_port", METRICS_PORT)),
+        _truthy(host.get(front_prefix + "tls", True)),
+    )
+
+
 def scrape_targets(service_hosts: list[str], fronts: list[str], hostvars: Any) -> dict[str, list[dict[str, Any]]]:
     """{"workers", "fronts", "fleet_fronts"}: the target groups of each scrape job. A service host's
     workers are its plan's (this run's vlserve_facts); a host without a plan yet has its front only."""
     workers, host_fronts, fleet_fronts = [], [], []
     for name in service_hosts:
         host = hostvars[name]
-        address = host_address(name, host, "vlserve_deploy_front_bind")
-        port = int(host.get("vlserve_deploy_metrics_port", METRICS_PORT))
-        tls = _truthy(host.get("vlserve_deploy_front_tls", True))
-        host_fronts.append(_group(address, port, tls, FRONT_METRICS_PATH, {"host": name, "instance": name + "/front"}))
+        where = _front_target(name, host, "vlserve_deploy_", "vlserve_deploy_front_")
+        host_fronts.append(_group(*where, FRONT_METRICS_PATH, {"host": name, "instance": name + "/front"}))
         for worker in (host.get("vlserve_plan") or {}).get("worker_list", []):
             index = int(worker["index"])
             labels = {"host": name, "worker": str(index), "instance": "%s/worker/%d" % (name, index)}
-            workers.append(_group(address, port, tls, WORKER_METRICS_PATH.format(index=index), labels))
+            workers.append(_group(*where, WORKER_METRICS_PATH.format(index=index), labels))
     for name in fronts:
-        host = hostvars[name]
-        address = host_address(name, host, "vlserve_front_bind")
-        port = int(host.get("vlserve_front_metrics_port", METRICS_PORT))
-        tls = _truthy(host.get("vlserve_front_tls", True))
-        fleet_fronts.append(_group(address, port, tls, FRONT_METRICS_PATH, {"host": name, "instance": name + "/front"}))
+        where = _front_target(name, hostvars[name], "vlserve_front_", "vlserve_front_")
+        fleet_fronts.append(_group(*where, FRONT_METRICS_PATH, {"host": name, "instance": name + "/front"}))
     return {"workers": workers, "fronts": host_fronts, "fleet_fronts": fleet_fronts}
