@@ -242,7 +242,7 @@ def test_the_bare_release_installs_and_runs_on_this_releases_python(guest, tmp_p
         for line in listed.split("COMMAND\n", 1)[1].split("\noptions:", 1)[0].splitlines()
         if re.match(r"^    \S", line)
     }
-    assert commands == {"probe", "plan", "render-units", "render-fleet", "keys", "model"}, commands
+    assert commands == {"probe", "plan", "render-units", "render-fleet", "keys", "model", "deployment"}, commands
     assert guest.ssh("/tmp/bare/bin/vlserve --version").stdout.strip() == "vlserve " + release["version"]
     guest.ssh("cd / && /tmp/bare/bin/vlserve plan --json > /dev/null")
     guest.ssh("cd / && /tmp/bare/bin/vlserve render-units --out /tmp/rendered --front-bind 127.0.0.1")
