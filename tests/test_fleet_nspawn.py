@@ -123,8 +123,9 @@ def fleet_vars(tiny_model, torch_wheel, **overrides) -> dict:
     }
 
 
-def inventory(workdir, hosts, per_host=None, **common):
-    """Every service host binds its front and workers to its own address; the front host its front."""
+def inventory(workdir, hosts, per_host=None, monitoring=False, **common):
+    """Every service host binds its front and workers to its own address; the front host its front
+    (and, with `monitoring`, Prometheus and Alertmanager on that address too)."""
     per_host = per_host or {}
     service = {
         name: (
@@ -134,7 +135,14 @@ def inventory(workdir, hosts, per_host=None, **common):
         for name, address in SERVICE.items()
     }
     front = {FRONT[0]: (hosts[FRONT[0]], {"vlserve_front_bind": FRONT[1]})}
-    return write_fleet_inventory(workdir, {"vlserve": service, "vlserve_front": front}, **common)
+    groups = {"vlserve": service, "vlserve_front": front}
+    if monitoring:
+        listen = {
+            "vlserve_monitoring_prometheus_listen": "%s:9090" % FRONT[1],
+            "vlserve_monitoring_alertmanager_listen": "%s:9093" % FRONT[1],
+        }
+        groups["vlserve_monitoring"] = {FRONT[0]: (hosts[FRONT[0]], {"vlserve_front_bind": FRONT[1], **listen})}
+    return write_fleet_inventory(workdir, groups, **common)
 
 
 def trust(as_fleet_front: bool = False) -> ssl.SSLContext:
@@ -302,6 +310,63 @@ def test_a_drained_host_stays_drained_across_a_reload_and_a_restart_of_the_fleet
     assert front.ssh("systemctl reload vlserve-fleet.service").returncode == 0
     time.sleep(2)
     assert fleet_state(front, "fleet-3") == 0
+
+
+def prometheus(front, path: str) -> dict:
+    return json.loads(front.ssh("curl -s http://%s:9090%s" % (FRONT[1], path)).stdout)
+
+
+@pytest.mark.usefixtures("deployed")
+def test_monitoring_on_the_front_host_scrapes_every_worker_and_front_and_a_stopped_worker_fires(
+    hosts, workdir, tiny_model, torch_wheel
+):
+    """site.yml with a monitoring host (the fleet front's, here): Debian's Prometheus and Alertmanager
+    installed and configured by the role, every worker and front scraped over mutual TLS through the
+    fronts' metrics ports, the alert rules loaded; a stopped worker fires VlserveWorkerDown."""
+    variables = fleet_vars(tiny_model, torch_wheel, vlserve_monitoring_scrape_interval_s=2,
+                           vlserve_monitoring_down_for_s=10)  # fmt: skip
+    started = time.monotonic()
+    result = play_inventory(inventory(workdir, hosts, monitoring=True, **variables), "site.yml")
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stdout[-6000:]
+    # Opening the metrics ports reloads the fronts: no host rolls out for it.
+    batches = result.stdout.split("PLAY [Roll out the hosts that change, one batch at a time]", 1)[1]
+    assert batches.split("\n", 2)[1].strip() == "skipping: no hosts matched", batches[:2000]
+    front = hosts[FRONT[0]]
+
+    def targets() -> list[dict]:
+        return prometheus(front, "/api/v1/targets")["data"]["activeTargets"]
+
+    deadline = time.monotonic() + 60
+    while not (len(targets()) == 8 and all(t["health"] == "up" for t in targets())):
+        assert time.monotonic() < deadline, [(t["labels"], t["health"], t["lastError"]) for t in targets()]
+        time.sleep(1)
+    jobs = sorted(t["labels"]["job"] for t in targets())
+    assert jobs == sorted(["prometheus", *["vlserve_front"] * 3, "vlserve_fleet_front", *["vlserve_worker"] * 3]), jobs
+    rules = prometheus(front, "/api/v1/rules")["data"]["groups"][0]["rules"]
+    assert len(rules) == 11 and all(rule["health"] == "ok" for rule in rules)
+
+    hosts["fleet-3"].ssh("systemctl stop vlserve@0.service")
+    stopped = time.monotonic()
+    try:
+        while True:
+            firing = [a for a in prometheus(front, "/api/v1/alerts")["data"]["alerts"]
+                      if a["labels"]["alertname"] == "VlserveWorkerDown" and a["state"] == "firing"]  # fmt: skip
+            if firing:
+                break
+            assert time.monotonic() - stopped < 90, "VlserveWorkerDown never fired"
+            time.sleep(1)
+        fired_after = time.monotonic() - stopped
+    finally:
+        hosts["fleet-3"].ssh("systemctl start vlserve@0.service")  # returns once it is ready
+        deadline = time.monotonic() + 60
+        while ask(host_front("fleet-3"), as_fleet_front=True).status_code != 200:
+            assert time.monotonic() < deadline, "fleet-3 did not come back"
+            time.sleep(1)
+    assert firing[0]["labels"]["host"] == "fleet-3" and firing[0]["labels"]["worker"] == "0"
+    # for: 10 s after the first failed scrape (2 s apart), at an evaluation (2 s apart)
+    assert 10 <= fired_after <= 20, fired_after
+    record(monitoring_site_s=round(took, 1), worker_down_fired_after_s=round(fired_after, 1))
 
 
 QUESTIONS = itertools.count()  # each question new: the workers' result cache would answer a repeated one
