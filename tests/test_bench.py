@@ -1,6 +1,6 @@
 """The benchmark tools work, on the tiny model: counts, shapes and error kinds, never speeds.
 
-Speed claims live in `vlserve bench-compare` runs (docs/benchmarks.md), not in tests.
+Speed claims live in `vlserve bench-compare` and `vlserve bench-peer` runs (docs/benchmarks.md), not in tests.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -234,3 +235,45 @@ def test_autotune_sweeps_quantize_levels_only_when_asked(tmp_path):
     )
     assert len(swept) == 2 * len(default) and {policy.quantize for policy in swept} == {"none", "int4"}
     assert {plan_key(sizing.plan(facts, policy))[-1] for policy in swept} == {"none", "int4"}
+
+
+def test_the_peer_benchmark_caps_llama_servers_images_at_the_tokens_a_worker_spends(tiny_model, server):
+    """bench-peer gives llama-server the image-token count a default vlserve worker reports for the
+    same generated photo, so both encode the same number of patches."""
+    from vlserve.bench.peer import image_tokens  # noqa: PLC0415
+
+    workload = Workload(image_size=(1280, 720), max_tokens=1)
+    body = workload.payload(0, None) | {"stream": False}
+    del body["stream_options"]
+    answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert image_tokens(tiny_model, (1280, 720)) == answer["usage"]["image_tokens"] > 0
+    assert image_tokens(tiny_model, None) == 0
+
+
+def peer_side(ttft: float, tpot: float, rates: dict[int, float], peak: float, ready: float) -> dict:
+    loads = {n: {"ttft_s": ttft, "tpot_s": tpot, "output_tokens_per_s": rate} for n, rate in rates.items()}
+    return {"loads": loads, "peak_rss_bytes": peak, "settled_rss_bytes": peak / 2, "ready_s": ready, "settled_s": ready}
+
+
+def test_the_peer_table_is_the_ratio_of_the_medians_over_rounds_with_each_sides_range():
+    from vlserve.bench.peer import PeerOptions, summarize  # noqa: PLC0415
+
+    vlserve = [peer_side(0.2, 0.05, {1: 20, 4: 60}, 4e9, 5), peer_side(0.4, 0.07, {1: 18, 4: 50}, 5e9, 6),
+               peer_side(0.3, 0.06, {1: 19, 4: 40}, 6e9, 4)]  # fmt: skip
+    llama = [peer_side(1.0, 0.1, {1: 10, 4: 20}, 2e9, 2), peer_side(0.8, 0.1, {1: 9, 4: 25}, 2e9, 3),
+             peer_side(1.2, 0.1, {1: 11, 4: 30}, 2e9, 2)]  # fmt: skip
+    rounds = [{"int8": {"vlserve": ours, "llama": theirs}} for ours, theirs in zip(vlserve, llama, strict=True)]
+    summary = summarize(rounds, PeerOptions(model=REPO, pairs=("int8",), concurrency=(1, 4)))["int8"]
+    assert summary["TTFT (ms)"]["vlserve"] == {"median": 300, "min": 200, "max": 400}
+    assert summary["TTFT (ms)"]["ratio"] == pytest.approx(0.3 / 1.0)
+    assert summary["tok/s at 4"]["ratio"] == pytest.approx(50 / 25)
+    assert summary["peak memory (GB)"]["ratio"] == pytest.approx(2.5)
+    assert summary["ready (s)"]["llama"] == {"median": 2, "min": 2, "max": 3}
+    assert "tok/s at 2" not in summary and "tok/s at 8" not in summary  # not measured in this run
+
+
+def test_bench_peer_refuses_a_sweep_without_single_client_figures_and_a_missing_model(tiny_model, tmp_path):
+    result = run_tool("vlserve", "bench-peer", "--model", str(tiny_model), "--concurrency", "2", "4")
+    assert result.returncode == 2 and "--concurrency needs 1" in result.stderr
+    result = run_tool("vlserve", "bench-peer", "--model", str(tmp_path / "none"))
+    assert result.returncode == 2 and str(tmp_path / "none") in result.stderr

@@ -1,4 +1,5 @@
-"""The benchmarks: `bench`, `bench-compare`, `autotune`, `bench-decode`, `quant-check`, `bench-bandwidth`."""
+"""The benchmarks: `bench`, `bench-compare`, `bench-peer`, `autotune`, `bench-decode`, `quant-check`,
+`bench-bandwidth`."""
 
 from __future__ import annotations
 
@@ -79,6 +80,39 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     )
     write_json(args.output, result)
     print(json.dumps(result, indent=2) if args.json else render_compare(result))
+    return 0
+
+
+def cmd_bench_peer(args: argparse.Namespace) -> int:
+    from vlserve.bench.peer import PeerOptions, bench_peer, render  # noqa: PLC0415
+    from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
+    from vlserve.model.loader import check_model_directory  # noqa: PLC0415
+
+    model = pathlib.Path(args.model)
+    try:
+        check_model_directory(model)
+    except ModelDirectoryError as error:
+        raise BadInput(str(error)) from None
+    if any(clients < 1 for clients in args.concurrency) or 1 not in args.concurrency:
+        raise BadInput("--concurrency needs 1 (the single-stream figures) and counts of at least 1")
+    threads = args.threads or sizing.default_threads(sizing.probe(use_libraries=False))
+    result = bench_peer(
+        PeerOptions(
+            model=model,
+            cache=pathlib.Path(args.cache),
+            pairs=tuple(args.pairs),
+            rounds=args.rounds,
+            concurrency=tuple(sorted(set(args.concurrency))),
+            requests=args.requests,
+            threads=threads,
+            image_size=args.image_size,
+            max_tokens=args.max_tokens,
+            amx=not args.no_amx,
+            progress=not args.json,
+        )
+    )
+    write_json(args.output, result)
+    print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
 
@@ -201,6 +235,7 @@ def add_commands(commands) -> None:
     """Add the benchmark commands to the parser's commands."""
     _add_bench(commands)
     _add_compare(commands)
+    _add_peer(commands)
     _add_tune(commands)
     _add_decode(commands)
     _add_check(commands)
@@ -265,6 +300,43 @@ def _add_compare(commands) -> None:
     add_workload_flags(compare, max_tokens=32)
     add_policy_flags(compare)
     compare.set_defaults(handler=cmd_bench_compare)
+
+
+def _add_peer(commands) -> None:
+    from vlserve.bench.peer import PAIRS  # noqa: PLC0415 - no torch behind it
+
+    peer = commands.add_parser(
+        "bench-peer",
+        help="vlserve against llama.cpp's server at equal rounding, in interleaved rounds: the ratio table",
+        description="Builds llama-server from the pinned llama-cpp-python sdist, converts the checkpoint to "
+        "GGUF with llama.cpp's converter (both cached under --cache), then times both servers with the same "
+        "requests: TTFT, TPOT, throughput at each concurrency, peak and settled memory, start to ready.",
+    )
+    peer.add_argument("--model", required=True, help="checkpoint directory (make-test-model --size real)")
+    peer.add_argument(
+        "--cache", default="/var/tmp/vlserve-bench/peer", help="builds and GGUF files (default: %(default)s)"
+    )
+    peer.add_argument(
+        "--pairs",
+        nargs="+",
+        choices=tuple(PAIRS),
+        default=list(PAIRS),
+        help="vlserve levels to compare, each with llama.cpp's type of the same rounding: "
+        + ", ".join("%s with %s" % item for item in PAIRS.items()),
+    )
+    peer.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    peer.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="client counts (default: 1 2 4 8)"
+    )
+    peer.add_argument("--requests", type=int, default=4, help="single-client requests per round (default: 4)")
+    peer.add_argument("--threads", type=int, help="threads for both servers (default: the service's default)")
+    peer.add_argument(
+        "--no-amx",
+        action="store_true",
+        help="build llama.cpp without its AMX kernels (its AMX Q8_0 path crashes at warm-up on some hosts)",
+    )
+    add_workload_flags(peer, max_tokens=32)
+    peer.set_defaults(handler=cmd_bench_peer)
 
 
 def _add_tune(commands) -> None:

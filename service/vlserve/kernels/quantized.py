@@ -186,7 +186,7 @@ class Int4Weight(KernelBound):
     per 6144x2048 product against 0.19 ms with AVX-512 and 0.64 ms held to AVX2), and rounding inputs
     to bfloat16 is small beside rounding weights to 4 bits. vlserve's rounds them to int8 per block
     of 32 (twice the stock kernel's error on random data: 0.57% against 0.29%) and reads the weights
-    as integers: one decode step's int4 products about twice as fast here (docs/benchmarks.md)."""
+    as integers: one decode step's int4 products about twice as fast here (docs/benchmark-history.md)."""
 
     dtype = torch.quint4x2
     kernel_dtype = torch.bfloat16

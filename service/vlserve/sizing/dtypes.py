@@ -98,7 +98,7 @@ def plan_dtype(
     if not is_arm(cpu) and cpu["isa"].get("avx2"):
         return "bfloat16", (
             "no AVX-512 BF16 or AMX, but a decode step reads half the bytes in bfloat16: held to AVX2, "
-            "plain bfloat16 weights decoded a token in 90 ms against float32's 309 (docs/benchmarks.md); "
+            "plain bfloat16 weights decoded a token in 90 ms against float32's 309 (docs/benchmark-history.md); "
             "prompts and images, which are compute-bound, get float32 where it fits"
         )
     lacking = "no Arm BF16 (bf16)" if is_arm(cpu) else "no AVX-512 BF16 or AMX"

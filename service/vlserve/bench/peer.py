@@ -1,0 +1,502 @@
+"""`vlserve bench-peer`: vlserve against llama.cpp's server, the tool users would pick instead, on the
+same checkpoint, the same machine, the same client, in interleaved rounds.
+
+llama.cpp comes from the llama-cpp-python sdist on PyPI at a pinned version (it vendors llama.cpp
+and records the vendored commit in its .git/modules); the build is llama-server and llama-quantize
+only, native to this CPU. The checkpoint goes through llama.cpp's own converter to GGUF (bf16 and a
+bf16 vision projector) and its quantizer (Q8_0, Q4_K_M, Q4_0). Builds and conversions are cached
+under `--cache`, keyed by what made them, so only the first run pays for them.
+
+The pairs compare equal rounding: none vs bf16, int8 vs Q8_0 (the same blocks of 32 with a scale),
+int4 vs Q4_K_M and Q4_0. Both servers get the same thread count, the same image-token cap and the
+same `vlserve bench` requests; llama-server gets `-np N` slots for N concurrent clients (one start
+per N), vlserve runs its plan for the level and batches on its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from vlserve.bench.loadgen import LoadSpec, MemoryWatch, run_load
+from vlserve.bench.servers import ServerFailed, free_port, start_plan_workers, warm_page_cache
+from vlserve.bench.workload import Workload
+
+SCHEMA = "vlserve.bench-peer/1"
+LLAMA_CPP_PYTHON = "0.3.36"  # vendors llama.cpp 0c1e57098 (read from the sdist, recorded per build)
+# vlserve level -> the llama.cpp type of the same rounding.
+PAIRS = {"none": "bf16", "int8": "Q8_0", "int4": "Q4_K_M", "int4/Q4_0": "Q4_0"}
+# What llama.cpp's converter imports beyond vlserve's own dependencies (torch, transformers, numpy),
+# installed into the cache, never into vlserve's environment.
+CONVERTER_EXTRAS = ("sentencepiece==0.2.1",)
+# llama.cpp's converter names a tokenizer's pre-tokenizer by hashing how the whole tokenizer splits a
+# test text, so it knows Qwen's own tokenizer but not the test checkpoint's (Qwen's split rule and
+# special tokens, a small vocabulary of its own). Where it does not recognise one whose split rule
+# is Qwen's, that rule is what llama.cpp calls "qwen2"; anything else still fails as it would.
+CONVERTER = """
+import json, sys
+from pathlib import Path
+source, model = Path(sys.argv[1]), Path(sys.argv[2])
+sys.argv = [str(source / "convert_hf_to_gguf.py"), *sys.argv[2:]]
+sys.path[:0] = [str(source), str(source / "gguf-py")]
+from conversion.base import TextModel
+from vlserve.model.testmodel import QWEN_SPLIT
+recognise = TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return recognise(self, tokenizer)
+    except NotImplementedError:
+        pre = json.loads((model / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
+        if any(p.get("pattern", {}).get("Regex") == QWEN_SPLIT for p in pre.get("pretokenizers", [])):
+            return "qwen2"
+        raise
+TextModel.get_vocab_base_pre = get_vocab_base_pre
+import runpy
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+AMX_OFF_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+COMMON = {"request_timeout_s": "7200", "max_queue": "1024"}
+
+
+@dataclass
+class PeerOptions:
+    model: Path
+    cache: Path = Path("/var/tmp/vlserve-bench/peer")
+    pairs: tuple[str, ...] = tuple(PAIRS)
+    rounds: int = 3
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    requests: int = 4  # single-client requests per round; N clients send 2N
+    threads: int = 2
+    image_size: tuple[int, int] | None = (1280, 720)  # None: text-only questions
+    max_tokens: int = 32
+    amx: bool = True  # False: build ggml without its AMX kernels (they crash on some hosts)
+    progress: bool = True
+    log: list[str] = field(default_factory=list)
+
+
+def _say(options: PeerOptions, message: str) -> None:
+    options.log.append(message)
+    if options.progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _run(command: list[str], log: Path, **kwargs) -> None:
+    """Run a build step, its output to `log`; a failure names the step and shows the log's tail."""
+    with log.open("ab") as out:
+        out.write(("\n$ %s\n" % " ".join(command)).encode())
+        out.flush()
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+    if code:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError("%s failed (exit %d); log %s:\n%s" % (Path(command[0]).name, code, log, tail))
+
+
+# -- building llama.cpp ----------------------------------------------------------------------------
+
+
+def llama_source(cache: Path, version: str = LLAMA_CPP_PYTHON) -> tuple[Path, str]:
+    """The vendored llama.cpp of the llama-cpp-python sdist (downloaded once) and its commit."""
+    root = cache / "src" / ("llama_cpp_python-" + version)
+    if not (root / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        downloads = cache / "sdist"
+        downloads.mkdir(parents=True, exist_ok=True)
+        archive = downloads / ("llama_cpp_python-%s.tar.gz" % version)
+        if not archive.is_file():
+            _run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 "llama-cpp-python==" + version, "-d", str(downloads)],
+                cache / "build.log",
+            )  # fmt: skip
+        unpacked = Path(tempfile.mkdtemp(dir=cache, prefix="src-"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(unpacked, filter="data")
+        root.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+        (unpacked / root.name).rename(root)
+        shutil.rmtree(unpacked)
+    head = root / ".git" / "modules" / "vendor" / "llama.cpp" / "HEAD"
+    commit = head.read_text().strip() if head.is_file() else "unknown"
+    return root / "vendor" / "llama.cpp", commit
+
+
+def build_llama(cache: Path, amx: bool = True, say=print) -> dict:
+    """llama-server and llama-quantize, native to this CPU (cached per version and flags)."""
+    source, commit = llama_source(cache)
+    flags = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DGGML_CCACHE=OFF",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_OPENSSL=OFF",
+    ]
+    if not amx:
+        # GCC's explicit -mno-* wins over what -march=native turns on, whatever their order.
+        flags += ["-DCMAKE_C_FLAGS=" + AMX_OFF_FLAGS, "-DCMAKE_CXX_FLAGS=" + AMX_OFF_FLAGS]
+    key = hashlib.sha256(json.dumps([LLAMA_CPP_PYTHON, commit, flags]).encode()).hexdigest()[:12]
+    build = cache / ("build-" + key)
+    record = build / "vlserve-build.json"
+    if record.is_file():
+        return json.loads(record.read_text())
+    say("building llama.cpp %s (llama-cpp-python %s) in %s" % (commit[:9], LLAMA_CPP_PYTHON, build))
+    log = cache / "build.log"
+    started = time.perf_counter()
+    _run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *flags], log)
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize"], log)
+    info = {
+        "llama_cpp_python": LLAMA_CPP_PYTHON,
+        "commit": commit,
+        "cmake_flags": flags,
+        "amx": amx,
+        "server": str(build / "bin" / "llama-server"),
+        "quantize": str(build / "bin" / "llama-quantize"),
+        "source": str(source),
+        "build_s": round(time.perf_counter() - started, 1),
+    }
+    record.write_text(json.dumps(info, indent=2))
+    return info
+
+
+# -- converting the checkpoint ---------------------------------------------------------------------
+
+
+def checkpoint_key(model: Path) -> str:
+    """Names the checkpoint's contents cheaply: its config and each weight file's name, size and mtime."""
+    digest = hashlib.sha256((model / "config.json").read_bytes())
+    for path in sorted(model.glob("*.safetensors")):
+        stat = path.stat()
+        digest.update(("%s %d %d" % (path.name, stat.st_size, stat.st_mtime_ns)).encode())
+    return digest.hexdigest()[:12]
+
+
+def convert(model: Path, cache: Path, build: dict, types: set[str], say=print) -> dict[str, Path]:
+    """GGUF files of the checkpoint: `mmproj` (bf16) and one per llama.cpp type asked for."""
+    out = cache / "gguf" / ("%s-%s" % (model.name, checkpoint_key(model)))
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "convert.log"
+    converter = [sys.executable, "-c", CONVERTER, build["source"], str(model)]
+    extras = cache / "converter-site" / hashlib.sha256(" ".join(CONVERTER_EXTRAS).encode()).hexdigest()[:12]
+    if not extras.is_dir():
+        partial = Path(tempfile.mkdtemp(dir=cache, prefix="converter-site-"))
+        _run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(partial), *CONVERTER_EXTRAS], log)
+        extras.parent.mkdir(parents=True, exist_ok=True)
+        partial.rename(extras)
+    environment = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(extras), os.environ.get("PYTHONPATH")]))
+    )
+    files = {"mmproj": out / "mmproj-bf16.gguf", "bf16": out / "model-bf16.gguf"}
+    for name, extra in (("bf16", []), ("mmproj", ["--mmproj"])):
+        if not files[name].is_file():
+            say("converting %s to GGUF (%s)" % (model, name))
+            partial = files[name].with_suffix(".partial")
+            _run([*converter, "--outtype", "bf16", "--outfile", str(partial), *extra], log, env=environment)
+            partial.rename(files[name])
+    for kind in sorted(types - {"bf16"}):
+        files[kind] = out / ("model-%s.gguf" % kind)
+        if not files[kind].is_file():
+            say("quantizing to %s" % kind)
+            partial = files[kind].with_suffix(".partial")
+            _run([build["quantize"], str(files["bf16"]), str(partial), kind], log)
+            partial.rename(files[kind])
+    return files
+
+
+# -- llama-server ----------------------------------------------------------------------------------
+
+
+class LlamaServer:
+    """One llama-server on a loopback port, timed from process start to ready, its memory watched."""
+
+    def __init__(self, binary: str, model: Path, mmproj: Path, *, threads: int, slots: int, image_tokens: int):
+        self.port = free_port()
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115
+        command = [
+            binary, "-m", str(model), "--mmproj", str(mmproj),
+            "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+            "-c", str(4096 * slots),  # each slot the context a request of this workload needs, and room
+            "--host", "127.0.0.1", "--port", str(self.port), "--no-webui",
+        ]  # fmt: skip
+        if image_tokens:
+            command += ["--image-min-tokens", str(image_tokens), "--image-max-tokens", str(image_tokens)]
+        self.command = command
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.memory = MemoryWatch([self.process.pid], interval_s=0.1).__enter__()
+        self.ready_after_s: float | None = None
+
+    def wait_ready(self, timeout_s: float = 600) -> LlamaServer:
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            if self.process.poll() is not None:
+                raise ServerFailed("llama-server exited with %s:\n%s" % (self.process.returncode, self.output(40)))
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.ready_after_s = time.perf_counter() - self.started
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise ServerFailed("llama-server not ready after %.0f s:\n%s" % (timeout_s, self.output(40)))
+
+    def output(self, lines: int) -> str:
+        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        self.memory.__exit__(None, None, None)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+# -- the rounds ------------------------------------------------------------------------------------
+
+
+def image_tokens(model: Path, size: tuple[int, int] | None) -> int:
+    """The image tokens a vlserve worker with default settings gives the workload's photo: the cap
+    llama-server gets too (both fit the picture in patches of 32 pixels under it)."""
+    if size is None:
+        return 0
+    from vlserve.model.processor import load_processor  # noqa: PLC0415 - transformers only here
+    from vlserve.runtime.images import load_image  # noqa: PLC0415
+    from vlserve.settings import ModelSettings  # noqa: PLC0415
+
+    fields = ModelSettings.model_fields
+    min_pixels, max_pixels = fields["min_pixels"].default, fields["max_pixels"].default
+    processor = load_processor(model)
+    processor.image_processor.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    photo = Workload(image_size=size).image(0)
+    image = load_image(photo, max_source_pixels=2**31, max_pixels=max_pixels, param="image").image
+    grid = processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+    merge = processor.image_processor.merge_size
+    return int(grid.prod()) // (merge * merge)
+
+
+def _load(options: PeerOptions, urls: list[str], clients: int, pids: list[int]) -> dict:
+    workload = Workload(image_size=options.image_size, max_tokens=options.max_tokens)
+    report = run_load(
+        LoadSpec(
+            urls=urls,
+            payload=lambda index: workload.payload(index, None),
+            requests=options.requests if clients == 1 else 2 * clients,
+            concurrency=clients,
+            warmup=1,
+            server_pids=pids,
+            progress=False,
+        )
+    )
+    if report["failed"]:
+        raise RuntimeError("%d of the requests to %s failed: %s" % (report["failed"], urls, report["errors"]))
+    results = report["results"]
+    return {
+        "ttft_s": report["ttft_s"]["p50"],
+        "tpot_s": report["tpot_s"]["p50"],
+        "output_tokens_per_s": report["output_throughput"],
+        "prompt_tokens": statistics.median(r["prompt_tokens"] for r in results if r["prompt_tokens"]),
+        "peak_rss_bytes": report["server_peak_rss_bytes"],
+    }
+
+
+def _rss(pids: list[int]) -> int:
+    return MemoryWatch(pids).sample()
+
+
+def _plan(level: str) -> dict:
+    from vlserve import sizing  # noqa: PLC0415
+
+    return sizing.plan(sizing.probe(), sizing.Policy(quantize=level))
+
+
+def run_vlserve(options: PeerOptions, level: str) -> dict:
+    warm_page_cache(options.model)
+    servers = start_plan_workers(options.model, _plan(level), extra=COMMON | {"threads": str(options.threads)})
+    try:
+        pids = [server.process.pid for server in servers]
+        figures = {
+            "workers": len(servers),
+            "ready_s": max(server.ready_after_s for server in servers),
+            "settled_s": max(server.settled_after_s for server in servers),
+            "settled_rss_bytes": _rss(pids),
+            "loads": {},
+        }
+        for clients in options.concurrency:
+            figures["loads"][clients] = _load(options, [server.url for server in servers], clients, pids)
+        figures["peak_rss_bytes"] = max(sum(s.peak_rss_bytes for s in servers), _rss(pids))
+    finally:
+        for server in servers:
+            server.stop()
+    return figures
+
+
+def run_llama(options: PeerOptions, build: dict, files: dict[str, Path], kind: str, tokens: int) -> dict:
+    figures: dict = {"loads": {}}
+    peaks = []
+    for clients in options.concurrency:
+        for path in (files[kind], files["mmproj"]):
+            warm_page_cache_file(path)
+        server = LlamaServer(
+            build["server"], files[kind], files["mmproj"], threads=options.threads, slots=clients, image_tokens=tokens
+        )
+        try:
+            server.wait_ready()
+            pids = [server.process.pid]
+            if clients == options.concurrency[0]:
+                figures.update(ready_s=server.ready_after_s, settled_s=server.ready_after_s)
+                figures["settled_rss_bytes"] = _rss(pids)
+            figures["loads"][clients] = _load(options, [server.url], clients, pids)
+            peaks.append(max(server.memory.peak_bytes, _rss(pids)))
+        finally:
+            server.stop()
+    figures["peak_rss_bytes"] = max(peaks)
+    return figures
+
+
+def warm_page_cache_file(path: Path) -> None:
+    with path.open("rb") as handle:
+        while handle.read(64 * 2**20):
+            pass
+
+
+def bench_peer(options: PeerOptions) -> dict:
+    def say(message: str) -> None:
+        _say(options, message)
+
+    options.cache.mkdir(parents=True, exist_ok=True)
+    build = build_llama(options.cache, amx=options.amx, say=say)
+    files = convert(options.model, options.cache, build, {PAIRS[pair] for pair in options.pairs}, say=say)
+    tokens = image_tokens(options.model, options.image_size)
+    # As the GGUF files are made before any timing, so is each level's weight cache (and vlserve's
+    # kernels): a first start that rounds the weights is a deployment step, not a start.
+    first_starts = {}
+    for level in dict.fromkeys(pair.split("/")[0] for pair in options.pairs):
+        say("first start of vlserve %s (weight cache, kernels), untimed" % level)
+        started = time.perf_counter()
+        for server in start_plan_workers(options.model, _plan(level), extra=COMMON):
+            server.stop()
+        first_starts[level] = round(time.perf_counter() - started, 1)
+    rounds: list[dict] = []
+    for index in range(options.rounds):
+        measured: dict = {}
+        for pair in options.pairs:
+            level = pair.split("/")[0]
+            sides = [("vlserve", lambda level=level: run_vlserve(options, level)),
+                     ("llama", lambda pair=pair: run_llama(options, build, files, PAIRS[pair], tokens))]  # fmt: skip
+            if index % 2:  # who goes first alternates, so neither always meets a cooler machine
+                sides.reverse()
+            measured[pair] = {}
+            for side, run in sides:
+                say(
+                    "round %d/%d: %s %s"
+                    % (index + 1, options.rounds, side, level if side == "vlserve" else PAIRS[pair])
+                )
+                measured[pair][side] = run()
+        rounds.append(measured)
+    return {
+        "schema": SCHEMA,
+        "llama_cpp": {k: v for k, v in build.items() if k not in ("server", "quantize", "source")},
+        "model": str(options.model),
+        "threads": options.threads,
+        "image_size": list(options.image_size),
+        "image_tokens": tokens,
+        "vlserve_first_start_s": first_starts,
+        "max_tokens": options.max_tokens,
+        "concurrency": list(options.concurrency),
+        "pairs": {pair: PAIRS[pair] for pair in options.pairs},
+        "rounds": rounds,
+        "summary": summarize(rounds, options),
+    }
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+FIGURES = (
+    # name, how to read it from a side's round, unit scale, better when lower
+    ("TTFT (ms)", lambda side: side["loads"]["1"]["ttft_s"], 1000, True),
+    ("TPOT (ms)", lambda side: side["loads"]["1"]["tpot_s"], 1000, True),
+    *(("tok/s at %d" % n, lambda side, n=n: side["loads"][str(n)]["output_tokens_per_s"], 1, False) for n in (2, 4, 8)),
+    ("peak memory (GB)", lambda side: side["peak_rss_bytes"], 1e-9, True),
+    ("settled memory (GB)", lambda side: side["settled_rss_bytes"], 1e-9, True),
+    ("ready (s)", lambda side: side["ready_s"], 1, True),
+    ("settled (s)", lambda side: side["settled_s"], 1, True),
+)
+
+
+def summarize(rounds: list[dict], options: PeerOptions) -> dict:
+    """Per pair and figure: each side's median and range over the rounds, and the ratio of the medians."""
+    rounds = json.loads(json.dumps(rounds))  # concurrency keys as strings, as in the written JSON
+    summary: dict = {}
+    for pair in options.pairs:
+        summary[pair] = {}
+        for name, pick, scale, _lower in FIGURES:
+            try:
+                values = {side: [pick(r[pair][side]) * scale for r in rounds] for side in ("vlserve", "llama")}
+            except KeyError:
+                continue  # a concurrency this run did not measure
+            medians = {side: statistics.median(v) for side, v in values.items()}
+            summary[pair][name] = {
+                **{side: {"median": medians[side], "min": min(v), "max": max(v)} for side, v in values.items()},
+                "ratio": medians["vlserve"] / medians["llama"] if medians["llama"] else None,
+            }
+    return summary
+
+
+def render(result: dict) -> str:
+    llama = result["llama_cpp"]
+    lines = [
+        "vlserve against llama.cpp %s (llama-cpp-python %s%s), %d threads, %d image tokens, %d-token answers, "
+        "%d rounds; medians (range), ratio vlserve / llama.cpp"
+        % (
+            llama["commit"][:9],
+            llama["llama_cpp_python"],
+            "" if llama["amx"] else ", AMX off",
+            result["threads"],
+            result["image_tokens"],
+            result["max_tokens"],
+            len(result["rounds"]),
+        )
+    ]
+    lower = {name: low for name, _pick, _scale, low in FIGURES}
+    for pair, figures in result["summary"].items():
+        lines.append("")
+        lines.append("%-22s %-22s %-22s %s" % (pair + " vs " + result["pairs"][pair], "vlserve", "llama.cpp", "ratio"))
+        for name, figure in figures.items():
+
+            def cell(side: dict) -> str:
+                return "%s (%s-%s)" % (_number(side["median"]), _number(side["min"]), _number(side["max"]))
+
+            ratio = figure["ratio"]
+            lines.append(
+                "%-22s %-22s %-22s %s"
+                % (
+                    name,
+                    cell(figure["vlserve"]),
+                    cell(figure["llama"]),
+                    "-" if ratio is None else "%.2fx%s" % (ratio, "" if lower[name] else " (higher is better)"),
+                )
+            )
+    return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    return "%.0f" % value if abs(value) >= 100 else "%.1f" % value if abs(value) >= 10 else "%.2f" % value
