@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,10 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from vlserve.bench.loadgen import LoadSpec, MemoryWatch, run_load
-from vlserve.bench.servers import ServerFailed, free_port, start_plan_workers, warm_page_cache
+from vlserve.bench.servers import ServerProcess, free_port, start_plan_workers, warm_page_cache
 from vlserve.bench.workload import Workload
 
 SCHEMA = "vlserve.bench-peer/1"
@@ -219,55 +216,22 @@ def convert(model: Path, cache: Path, build: dict, types: set[str], say=print) -
 # -- llama-server ----------------------------------------------------------------------------------
 
 
-class LlamaServer:
-    """One llama-server on a loopback port, timed from process start to ready, its memory watched."""
+class LlamaServer(ServerProcess):
+    """One llama-server on a loopback port."""
+
+    ready_path = "/health"
 
     def __init__(self, binary: str, model: Path, mmproj: Path, *, threads: int, slots: int, image_tokens: int):
-        self.port = free_port()
-        self.url = "http://127.0.0.1:%d" % self.port
-        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115
+        port = free_port()
         command = [
             binary, "-m", str(model), "--mmproj", str(mmproj),
             "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-            "-c", str(4096 * slots),  # each slot the context a request of this workload needs, and room
-            "--host", "127.0.0.1", "--port", str(self.port), "--no-webui",
+            "-c", str(4096 * slots),  # each slot the context a vlserve request may have (the plan's 4096)
+            "--host", "127.0.0.1", "--port", str(port), "--no-webui",
         ]  # fmt: skip
         if image_tokens:
             command += ["--image-min-tokens", str(image_tokens), "--image-max-tokens", str(image_tokens)]
-        self.command = command
-        self.started = time.perf_counter()
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        self.memory = MemoryWatch([self.process.pid], interval_s=0.1).__enter__()
-        self.ready_after_s: float | None = None
-
-    def wait_ready(self, timeout_s: float = 600) -> LlamaServer:
-        deadline = time.perf_counter() + timeout_s
-        while time.perf_counter() < deadline:
-            if self.process.poll() is not None:
-                raise ServerFailed("llama-server exited with %s:\n%s" % (self.process.returncode, self.output(40)))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.ready_after_s = time.perf_counter() - self.started
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise ServerFailed("llama-server not ready after %.0f s:\n%s" % (timeout_s, self.output(40)))
-
-    def output(self, lines: int) -> str:
-        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        self.memory.__exit__(None, None, None)
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-        os.unlink(self.log.name)
+        super().__init__(command, port=port, name="llama-server")
 
 
 # -- the rounds ------------------------------------------------------------------------------------

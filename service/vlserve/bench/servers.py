@@ -32,69 +32,41 @@ class ServerFailed(RuntimeError):
     pass
 
 
-class LocalServer:
-    """One `vlserve serve` on a loopback port. `settings`: VLSERVE_* names without the prefix."""
+class ServerProcess:
+    """A server process on a loopback port: timed from process start to ready (`ready_path` answers
+    200), its resident memory watched, its output kept until it stops."""
 
-    def __init__(
-        self,
-        model: Path,
-        settings: dict[str, str] | None = None,
-        *,
-        cpus: list[int] | None = None,
-        environment: dict[str, str] | None = None,
-        port: int | None = None,
-        name: str = "vlserve",
-        args: list[str] | None = None,
-    ):
-        """`args`: extra `vlserve serve` flags (they win over settings, as on the command line)."""
-        self.port = port or free_port()
-        self.url = "http://127.0.0.1:%d" % self.port
+    ready_path = "/readyz"
+
+    def __init__(self, command: list[str], *, port: int, name: str, env=None, preexec_fn=None):
+        self.port = port
+        self.url = "http://127.0.0.1:%d" % port
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix="vlserve-bench-", suffix=".log", delete=False)  # noqa: SIM115
-        env = dict(os.environ)
-        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-        env.update(environment or {})
-        env.update({ENV_PREFIX + key.upper(): str(value) for key, value in (settings or {}).items()})
-        env.update({"VLSERVE_MODEL": str(model), "VLSERVE_HOST": "127.0.0.1", "VLSERVE_PORT": str(self.port)})
         self.started = time.perf_counter()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "vlserve.cli", "serve", *(args or [])],
+            command,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
-            # Pinned as systemd's CPUAffinity= would pin it; the server's threads inherit the mask.
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,  # noqa: PLW1509 - no threads yet
+            preexec_fn=preexec_fn,  # noqa: PLW1509 - only sched_setaffinity, which takes no lock
         )
         self.memory = MemoryWatch([self.process.pid], interval_s=0.1).__enter__()
         self.ready_after_s: float | None = None
-        self.settled_after_s: float | None = None
 
-    def wait_ready(self, timeout_s: float = 900) -> LocalServer:
+    def wait_ready(self, timeout_s: float = 900):
         deadline = time.perf_counter() + timeout_s
         while time.perf_counter() < deadline:
             if self.process.poll() is not None:
                 raise ServerFailed("%s exited with %s:\n%s" % (self.name, self.process.returncode, self.output(40)))
             try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     self.ready_after_s = time.perf_counter() - self.started
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
         raise ServerFailed("%s not ready after %.0f s:\n%s" % (self.name, timeout_s, self.output(40)))
-
-    def wait_settled(self, timeout_s: float = 900) -> LocalServer:
-        """Wait for the work a ready worker still does in the background (prefill copies, checkpoint copies)."""
-        deadline = time.perf_counter() + timeout_s
-        while self.info().get("background_steps_pending"):
-            if time.perf_counter() > deadline:
-                raise ServerFailed("%s still busy with its background steps after %.0f s" % (self.name, timeout_s))
-            time.sleep(0.1)
-        self.settled_after_s = time.perf_counter() - self.started
-        return self
-
-    def info(self) -> dict:
-        return httpx.get(self.url + "/readyz", timeout=5).json()
 
     def output(self, lines: int | None = None) -> str:
         text = Path(self.log.name).read_text(errors="replace")
@@ -116,11 +88,56 @@ class LocalServer:
         self.log.close()
         os.unlink(self.log.name)
 
-    def __enter__(self) -> LocalServer:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class LocalServer(ServerProcess):
+    """One `vlserve serve` on a loopback port. `settings`: VLSERVE_* names without the prefix."""
+
+    def __init__(
+        self,
+        model: Path,
+        settings: dict[str, str] | None = None,
+        *,
+        cpus: list[int] | None = None,
+        environment: dict[str, str] | None = None,
+        port: int | None = None,
+        name: str = "vlserve",
+        args: list[str] | None = None,
+    ):
+        """`args`: extra `vlserve serve` flags (they win over settings, as on the command line)."""
+        port = port or free_port()
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        env.update(environment or {})
+        env.update({ENV_PREFIX + key.upper(): str(value) for key, value in (settings or {}).items()})
+        env.update({"VLSERVE_MODEL": str(model), "VLSERVE_HOST": "127.0.0.1", "VLSERVE_PORT": str(port)})
+        super().__init__(
+            [sys.executable, "-m", "vlserve.cli", "serve", *(args or [])],
+            port=port,
+            name=name,
+            env=env,
+            # Pinned as systemd's CPUAffinity= would pin it; the server's threads inherit the mask.
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
+        self.settled_after_s: float | None = None
+
+    def wait_settled(self, timeout_s: float = 900) -> LocalServer:
+        """Wait for the work a ready worker still does in the background (prefill copies, checkpoint copies)."""
+        deadline = time.perf_counter() + timeout_s
+        while self.info().get("background_steps_pending"):
+            if time.perf_counter() > deadline:
+                raise ServerFailed("%s still busy with its background steps after %.0f s" % (self.name, timeout_s))
+            time.sleep(0.1)
+        self.settled_after_s = time.perf_counter() - self.started
+        return self
+
+    def info(self) -> dict:
+        return httpx.get(self.url + "/readyz", timeout=5).json()
 
 
 def start_plan_workers(model: Path, plan: dict, extra: dict[str, str] | None = None) -> list[LocalServer]:
