@@ -251,7 +251,10 @@ def test_the_peer_benchmark_caps_llama_servers_images_at_the_tokens_a_worker_spe
 
 
 def peer_side(ttft: float, tpot: float, rates: dict[int, float], peak: float, ready: float) -> dict:
-    loads = {n: {"ttft_s": ttft, "tpot_s": tpot, "output_tokens_per_s": rate} for n, rate in rates.items()}
+    loads = {
+        n: {"ttft_s": ttft, "tpot_s": tpot, "output_tokens_per_s": rate, "peak_rss_bytes": peak * n / 4}
+        for n, rate in rates.items()
+    }
     return {"loads": loads, "peak_rss_bytes": peak, "settled_rss_bytes": peak / 2, "ready_s": ready, "settled_s": ready}
 
 
@@ -269,7 +272,10 @@ def test_the_peer_table_is_the_ratio_of_the_medians_over_rounds_with_each_sides_
     assert summary["tok/s at 4"]["ratio"] == pytest.approx(50 / 25)
     assert summary["peak memory (GB)"]["ratio"] == pytest.approx(2.5)
     assert summary["ready (s)"]["llama"] == {"median": 2, "min": 2, "max": 3}
+    assert summary["memory at 1 (GB)"]["llama"]["median"] == pytest.approx(0.5)
+    assert summary["memory at 4 (GB)"]["vlserve"] == {"median": 5, "min": 4, "max": 6}
     assert "tok/s at 2" not in summary and "tok/s at 8" not in summary  # not measured in this run
+    assert "tok/s at 1" not in summary  # the single-client figures are TTFT and TPOT
 
 
 def test_bench_peer_refuses_a_sweep_without_single_client_figures_and_a_missing_model(tiny_model, tmp_path):

@@ -394,16 +394,25 @@ def bench_peer(options: PeerOptions) -> dict:
 
 # -- the table -------------------------------------------------------------------------------------
 
-FIGURES = (
-    # name, how to read it from a side's round, unit scale, better when lower
-    ("TTFT (ms)", lambda side: side["loads"]["1"]["ttft_s"], 1000, True),
-    ("TPOT (ms)", lambda side: side["loads"]["1"]["tpot_s"], 1000, True),
-    *(("tok/s at %d" % n, lambda side, n=n: side["loads"][str(n)]["output_tokens_per_s"], 1, False) for n in (2, 4, 8)),
-    ("peak memory (GB)", lambda side: side["peak_rss_bytes"], 1e-9, True),
-    ("settled memory (GB)", lambda side: side["settled_rss_bytes"], 1e-9, True),
-    ("ready (s)", lambda side: side["ready_s"], 1, True),
-    ("settled (s)", lambda side: side["settled_s"], 1, True),
-)
+
+def figures(concurrency: list[int] | tuple[int, ...]) -> list[tuple]:
+    """The table's rows: name, how to read it from a side's round, unit scale, better when lower.
+    Memory per client count too: llama-server allocates each start's key/value cache for all its
+    slots up front, so its overall peak is its widest start's."""
+    many = [n for n in concurrency if n > 1]
+    return [
+        ("TTFT (ms)", lambda side: side["loads"]["1"]["ttft_s"], 1000, True),
+        ("TPOT (ms)", lambda side: side["loads"]["1"]["tpot_s"], 1000, True),
+        *(("tok/s at %d" % n, lambda side, n=n: side["loads"][str(n)]["output_tokens_per_s"], 1, False) for n in many),
+        ("peak memory (GB)", lambda side: side["peak_rss_bytes"], 1e-9, True),
+        *(
+            ("memory at %d (GB)" % n, lambda side, n=n: side["loads"][str(n)]["peak_rss_bytes"], 1e-9, True)
+            for n in concurrency
+        ),
+        ("settled memory (GB)", lambda side: side["settled_rss_bytes"], 1e-9, True),
+        ("ready (s)", lambda side: side["ready_s"], 1, True),
+        ("settled (s)", lambda side: side["settled_s"], 1, True),
+    ]
 
 
 def summarize(rounds: list[dict], options: PeerOptions) -> dict:
@@ -412,11 +421,8 @@ def summarize(rounds: list[dict], options: PeerOptions) -> dict:
     summary: dict = {}
     for pair in options.pairs:
         summary[pair] = {}
-        for name, pick, scale, _lower in FIGURES:
-            try:
-                values = {side: [pick(r[pair][side]) * scale for r in rounds] for side in ("vlserve", "llama")}
-            except KeyError:
-                continue  # a concurrency this run did not measure
+        for name, pick, scale, _lower in figures(options.concurrency):
+            values = {side: [pick(r[pair][side]) * scale for r in rounds] for side in ("vlserve", "llama")}
             medians = {side: statistics.median(v) for side, v in values.items()}
             summary[pair][name] = {
                 **{side: {"median": medians[side], "min": min(v), "max": max(v)} for side, v in values.items()},
@@ -440,11 +446,11 @@ def render(result: dict) -> str:
             len(result["rounds"]),
         )
     ]
-    lower = {name: low for name, _pick, _scale, low in FIGURES}
-    for pair, figures in result["summary"].items():
+    lower = {name: low for name, _pick, _scale, low in figures(result["concurrency"])}
+    for pair, rows in result["summary"].items():
         lines.append("")
         lines.append("%-22s %-22s %-22s %s" % (pair + " vs " + result["pairs"][pair], "vlserve", "llama.cpp", "ratio"))
-        for name, figure in figures.items():
+        for name, figure in rows.items():
 
             def cell(side: dict) -> str:
                 return "%s (%s-%s)" % (_number(side["median"]), _number(side["min"]), _number(side["max"]))
