@@ -88,6 +88,11 @@ def test_a_second_start_maps_what_the_first_rounded_and_answers_the_same(checkpo
         LIMITS,
         status=lambda message: None,
     )
+    # Without a cache the int4 level's int8 prompt copies are made after ready; with one, at load.
+    assert second.prefill_copies == [] and bool(uncached.prefill_copies) == (
+        level == "int4" and first.choices.prefill_dtype == "int8"
+    )
+    uncached.settle()
     assert torch.equal(logits(uncached), logits(second))
 
 
@@ -182,11 +187,36 @@ def test_the_key_names_what_the_tensors_depend_on(checkpoint):
 
 def test_settle_leaves_nothing_for_after_ready(checkpoint, tmp_path):
     """What benchmarks time: kernel layouts made, prompt copies made, nothing left in the checkpoint's map."""
-    loaded = load(checkpoint, tmp_path / "cache", "int4")  # int8 prompt copies where int8 products run
+    settings = ModelSettings(
+        model=checkpoint, dtype="bfloat16", quantize="int4", prefill_dtype="int8", weight_cache="off"
+    )
+    loaded = load_model(settings, LIMITS, status=lambda message: None)  # no cache: int8 prompt copies after ready
     assert bool(loaded.prefill_copies) == quantized.int8_products_supported(loaded.kernels) and loaded.map_copies
     loaded.settle()
     assert (loaded.layout_steps, loaded.prefill_copies, loaded.map_copies) == ([], [], [])
     assert packing.layout_steps(loaded.model) == [] and packing.pending_prefill_copies(loaded.model) == []
+
+
+def test_int8_prompt_copies_are_mapped_from_the_cache_not_made_after_ready(checkpoint, tmp_path, roundings, caplog):
+    """The int4 level's prompt copies are Q8_0 weights like any other: rounded into the cache file on the
+    first start, mapped by the next, and nothing is left for after ready either time."""
+    settings = ModelSettings(
+        model=checkpoint, dtype="bfloat16", quantize="int4", prefill_dtype="int8", weight_cache=str(tmp_path)
+    )
+    first = load_model(settings, LIMITS, status=lambda message: None)
+    if first.choices.prefill_dtype != "int8":
+        pytest.skip("vlserve's int8 product is not loaded here: %s" % first.kernels.status)
+    copies = [m for m in first.model.modules() if getattr(m, "prefill_weight", None) is not None]
+    assert copies and first.prefill_copies == []
+    with safe_open(str(cache_file(tmp_path)), framework="pt") as file:
+        prompt_layers = {name.rsplit(".", 1)[0] for name in file.keys() if ".prompt." in name}  # noqa: SIM118
+    assert len(prompt_layers) == len(copies)
+    roundings.clear()
+    with caplog.at_level(logging.INFO, logger="vlserve.model.loader"):
+        second = load_model(settings, LIMITS, status=lambda message: None)
+    assert roundings == [] and second.prefill_copies == []
+    assert "mapped %d int8 prompt copies" % len(copies) in caplog.text
+    assert torch.equal(logits(first), logits(second))
 
 
 def test_tensors_are_written_at_aligned_offsets_and_read_back_by_safetensors(tmp_path):

@@ -27,6 +27,7 @@ from vlserve.model import outliers, patches
 from vlserve.model.packing import (
     checkpoint_copy_steps,
     convert_vision_tower,
+    int8_prompt_copies_from,
     layout_steps,
     pack_language_model,
     packing_supported,
@@ -151,6 +152,7 @@ class _Taken:
     prefill_dtype: str
     kernels: Kernels
     packed: bool = False
+    cached: bool = False  # a weight cache file backs this load: int8 prompt copies come from it
     prefill_copies: list = field(default_factory=list)
     map_copies: list = field(default_factory=list)
 
@@ -185,10 +187,12 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     patches.attend_through_vlserve(network, kernels)
     taken = _Taken(choices.vision_dtype, choices.prefill_dtype, kernels)
     _without_int8_products(taken, choices)
-    # Quantized weights come from the weight cache where it has them (at any level, the vision tower's too).
+    # Quantized weights come from the weight cache where it has them (at any level, the vision tower's
+    # and the int8 prompt copies too).
     root = model.weight_cache_root()
-    rounds = level != "none" or taken.vision_dtype == "int8"
+    rounds = level != "none" or "int8" in (taken.vision_dtype, taken.prefill_dtype)
     cache = WeightCache(root, path, level, kernels) if root is not None and rounds else None
+    taken.cached = cache is not None
     prepared = cache.open() if cache is not None else PreparedWeights()
     try:
         # The residual streams' outlier channels, which rounded layers keep exact: found on the exact model
@@ -296,7 +300,7 @@ def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prep
         network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
     patches.decode_through_vlserve(network, taken.kernels)  # the norms and rotary in one call each, where loaded
     taken.prefill_dtype = copy or level
-    taken.prefill_copies = pending_prefill_copies(network)
+    _int8_prompt_copies(network, taken, prepared)
     taken.map_copies = checkpoint_copy_steps(network, load_dtype)
     log.info("quantized %d linear layers to %s (prompts in %s)", count, level, taken.prefill_dtype)
 
@@ -329,7 +333,7 @@ def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, 
         )
         if own:
             patches.decode_through_vlserve(network, taken.kernels)
-        taken.prefill_copies = pending_prefill_copies(network)
+        _int8_prompt_copies(network, taken, prepared)
         taken.map_copies = checkpoint_copy_steps(network, load_dtype)
         how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
         log.info("%s %d linear layers (prompts in %s)", how, count, taken.prefill_dtype)
@@ -339,7 +343,17 @@ def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, 
         )
         if taken.prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
             add_int8_prompt_copies(network.model.language_model, taken.kernels)
-            taken.prefill_copies = pending_prefill_copies(network)
+            _int8_prompt_copies(network, taken, prepared)
         else:
             taken.prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
     taken.packed = packed or own  # the plan's choice, taken: the weights in a decode kernel's layout
+
+
+def _int8_prompt_copies(network, taken: _Taken, prepared) -> None:
+    """Int8 prompt copies mapped from the weight cache (rounded into it on its first start) where a
+    cache backs the load; the rest (float32 copies, or int8 ones without a cache) after ready."""
+    if taken.cached:
+        mapped = int8_prompt_copies_from(network, prepared)
+        if mapped:
+            log.info("mapped %d int8 prompt copies from the weight cache", mapped)
+    taken.prefill_copies = pending_prefill_copies(network)

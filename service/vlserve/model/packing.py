@@ -31,9 +31,12 @@ or more run on it; decode steps (one row per sequence) stay on the packed bfloat
 With `prefill_dtype=int8` (the int4 level, or by hand) the copy is an int8 one (+1.5 GB) and
 prompts run through vlserve's int8 product, about twice as fast again.
 Writing 5.6 GB of fresh memory took 5-14 s at load on this project's VMs (first-touch page faults),
-more than the whole rest of the load, so the copies are not made at load: each layer keeps a view of
-its checkpoint weight and the engine makes one copy per scheduler pass after it is ready
-(`make_prefill_copy`); until a layer has its copy, its prompts run on the packed weight.
+more than the whole rest of the load, so the float32 copies are not made at load: each layer keeps a
+view of its checkpoint weight and the engine makes one copy per scheduler pass after it is ready
+(`make_prefill_copy`); until a layer has its copy, its prompts run on the packed weight. Int8 copies
+are rounded weights like any other: where a weight cache backs the load they are mapped from its
+file at load (`int8_prompt_copies_from`, rounded into it on the first start), and only without one
+are they made after ready.
 """
 
 from __future__ import annotations
@@ -246,11 +249,18 @@ class PackedLinear(torch.nn.Module):
     def prefill_copy_pending(self) -> bool:
         return self._prefill_source is not None
 
-    def make_prefill_copy(self) -> None:
-        """Convert the plain weight into the prefill dtype and drop the view of the checkpoint."""
+    @property
+    def prefill_copy_dtype(self) -> torch.dtype | None:
+        return None if self._prefill_source is None else self._prefill_source[2]
+
+    def make_prefill_copy(self, prepared=None, name: str | None = None) -> None:
+        """Convert the plain weight into the prefill dtype and drop the view of the checkpoint. An int8
+        copy comes from `prepared` (weightcache.PreparedWeights) under `name` where it holds one, and
+        is kept there for the cache file otherwise."""
         weight, bias, dtype = self._prefill_source
         if dtype == torch.int8:
-            self.prefill_weight = self.prefill_format(weight, bias)
+            fmt, make = self.prefill_format, functools.partial(self.prefill_format, weight, bias)
+            self.prefill_weight = make() if prepared is None else prepared.weight(name, fmt, make, tuple(weight.shape))
         else:
             self.prefill_bias = None if bias is None else bias.to(dtype)
             self.prefill_weight = weight.to(dtype)  # set last: forward() tests this one
@@ -417,6 +427,17 @@ def layout_steps(model: torch.nn.Module) -> list[Callable[[], None]]:
 def pending_prefill_copies(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Layers still waiting for their prompt copy: PackedLinear, or quantized.PromptInt8Linear."""
     return [m for m in model.modules() if getattr(m, "prefill_copy_pending", False)]
+
+
+def int8_prompt_copies_from(model: torch.nn.Module, prepared) -> int:
+    """Every pending int8 prompt copy taken from the weight cache (`prepared`), or rounded now and kept
+    for its file, under `<layer>.prompt`: a worker maps them at load instead of rounding 1.5 GB after
+    every start, and a host's workers share their pages. Returns how many were mapped."""
+    taken = prepared.taken
+    for name, module in model.named_modules():
+        if getattr(module, "prefill_copy_pending", False) and module.prefill_copy_dtype == torch.int8:
+            module.make_prefill_copy(prepared, "%s.prompt" % name)
+    return prepared.taken - taken
 
 
 def checkpoint_copy_steps(model: torch.nn.Module, checkpoint_dtype: torch.dtype) -> list[Callable[[], None]]:

@@ -142,7 +142,7 @@ class Engine:
         decode), caches bypassed. The model runs only the image's own tokens (<|vision_start|>, one
         image token, <|vision_end|>): three prompt rows cost what a decode step costs, where the whole
         24-token conversation took 0.1-0.2 s more of every start on the quantized levels (its rows went
-        through the decode kernels: the prompt copies are made after ready), and the first request
+        through the decode kernels: a float32 prompt copy is made after ready), and the first request
         after ready is no slower for it (docs/benchmark-history.md)."""
         self.state = "warming"
         status("warming up")
