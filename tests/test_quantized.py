@@ -297,4 +297,10 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
     assert levels["none"]["speedup_rounds_range"] == [1, 1]
     sizes = [levels[level]["decode_bytes_per_token"] for level in ("none", "int8", "int4")]
     assert sizes[0] > sizes[1] > sizes[2] > 0
+    for figures in levels.values():  # four sequences decoded together (--batches' default), timed too
+        batch = figures["batches"]["4"]
+        assert 0 < batch["step_ms_range"][0] <= batch["step_ms"] <= batch["step_ms_range"][1]
+        # Their attention reads four sequences' keys and values: four times one's.
+        assert figures["kv_bytes_per_step"]["4"] == 4 * figures["kv_bytes_per_step"]["1"] > 0
+    assert "4 sequences: step (of its bound)" in result.stdout
     assert "| int4 |" in result.stdout or "| int4 | " in result.stdout

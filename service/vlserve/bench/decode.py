@@ -3,9 +3,10 @@
 The levels take turns, round after round, so the machine's drift falls on all of them alike; each
 turn is a fresh process that loads the level by the service's loader and finishes its after-ready
 work (as a settled worker runs), prefills a fixed prompt once and times `tokens` greedy steps one by
-one through the model's KV cache. Beside each level's tokens/s: its bytes read per token
-(`decode_weight_bytes`), with the machine's read bandwidth the fraction of its own bound it reaches,
-and the process's anonymous resident memory once settled.
+one through the model's KV cache, for one sequence and for each of `batches` sequences decoded
+together. Beside each level's tokens/s: its bytes read per step (`decode_weight_bytes`, plus the
+keys and values the step's attention reads), with the machine's read bandwidth the fraction of its
+own bound it reaches, and the process's anonymous resident memory once settled.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class DecodeOptions:
     dtype: str = "auto"  # what is not quantized (and the exact level): as the plan, or forced
     prompt_tokens: int = 256
     kernels: str = "auto"  # auto: vlserve's own kernel where it runs; stock: torch's only; both: each in turn
+    batches: tuple[int, ...] = (4,)  # sequence counts decoded together, timed after the single stream
 
     def turns(self) -> list[tuple[str, str, bool]]:
         """(label, level, own kernel allowed) for each turn of a round."""
@@ -65,11 +67,19 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _timings(model: Any, tokens: int, prompt_tokens: int) -> tuple[float, list[float]]:
-    """(prefill seconds of a `prompt_tokens` text prompt, decode step seconds), as the engine runs them:
-    its growing KV cache, logits of the last position only."""
+def kv_bytes_read(config: Any, sequences: int, prompt_tokens: int, tokens: int) -> int:
+    """Keys and values a decode step's attention reads, averaged over `tokens` steps after the prompt:
+    every cached position of every sequence, each layer's key and value heads."""
+    text = config.text_config
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 2  # bfloat16 cache
+    return sequences * (prompt_tokens + tokens // 2) * per_token
+
+
+def _timings(model: Any, tokens: int, prompt_tokens: int, sequences: int = 1) -> tuple[float, list[float]]:
+    """(prefill seconds of a `prompt_tokens` text prompt, decode step seconds) for `sequences` such
+    prompts decoded together, as the engine runs them: its growing KV cache, logits of the last position only."""
     cache = new_cache(model.config.text_config.num_hidden_layers)
-    ids = torch.arange(100, 100 + prompt_tokens)[None]
+    ids = torch.arange(100, 100 + prompt_tokens)[None].repeat(sequences, 1)
     with torch.inference_mode():
         started = time.perf_counter()
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -108,7 +118,16 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
     loaded = load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
     loaded.settle()  # timed as a settled worker runs: kernel layouts and prompt copies made
     prefill, steps = _timings(loaded.model, options.tokens, options.prompt_tokens)
+    batched = {
+        count: statistics.median(_timings(loaded.model, options.tokens, options.prompt_tokens, count)[1])
+        for count in options.batches
+    }
+    config = loaded.model.config
     return {
+        "batch_step_s": batched,
+        "kv_bytes_per_step": {
+            count: kv_bytes_read(config, count, options.prompt_tokens, options.tokens) for count in (1, *batched)
+        },
         "quantize": loaded.choices.quantize,
         "dtype": loaded.choices.dtype,
         "prefill_dtype": loaded.choices.prefill_dtype,
@@ -153,6 +172,17 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
             "step_ms_rounds": [value * 1e3 for value in steps],
             "tokens_per_s": 1 / step,
             "rss_anon_bytes": max(resident) if resident else None,
+            "kv_bytes_per_step": {str(count): value for count, value in measured[0]["kv_bytes_per_step"].items()},
+            "batches": {
+                str(count): {
+                    "step_ms": statistics.median(run["batch_step_s"][count] for run in measured) * 1e3,
+                    "step_ms_range": [
+                        min(run["batch_step_s"][count] for run in measured) * 1e3,
+                        max(run["batch_step_s"][count] for run in measured) * 1e3,
+                    ],
+                }
+                for count in options.batches
+            },
         }
     # Against the first level: medians; each round's pair (the levels took turns, so a round's pair
     # saw the same machine); and the first level's best round, which stays honest when that level's
@@ -166,19 +196,37 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     return result
 
 
+def of_bound(figures: dict[str, Any], sequences: int, step_ms: float, bandwidth: float) -> float:
+    """The fraction of its memory-bandwidth bound a step reaches: the time its bytes (weights, and the
+    keys and values of `sequences` sequences) take at `bandwidth`, over the step's time."""
+    read = figures["decode_bytes_per_token"] + figures["kv_bytes_per_step"][str(sequences)]
+    return read / bandwidth / (step_ms / 1e3)
+
+
 def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
+    counts = sorted({int(count) for figures in result["levels"].values() for count in figures.get("batches", {})})
     lines = [
         "| level | dtype | decode step (median, range of %d rounds) | tokens/s | vs first (medians; rounds; "
         "its best round) | GB read per token "
-        "| of its bound | %d-token prompt | anonymous memory, settled |" % (result["rounds"], result["prompt_tokens"]),
-        "|---|---|---|---|---|---|---|---|---|",
+        "| of its bound | %s%d-token prompt | anonymous memory, settled |"
+        % (
+            result["rounds"],
+            "".join("%d sequences: step (of its bound) | " % count for count in counts),
+            result["prompt_tokens"],
+        ),
+        "|---|---|---|---|---|---|---|%s---|---|" % ("---|" * len(counts)),
     ]
     for level, f in result["levels"].items():
-        bound = (
-            "" if bandwidth is None else "%.0f%%" % (100 * f["tokens_per_s"] * f["decode_bytes_per_token"] / bandwidth)
-        )
+        bound = "" if bandwidth is None else "%.0f%%" % (100 * of_bound(f, 1, f["step_ms"], bandwidth))
+        batched = ""
+        for count in counts:
+            step = f["batches"][str(count)]["step_ms"]
+            share = "" if bandwidth is None else " (%.0f%%)" % (100 * of_bound(f, count, step, bandwidth))
+            batched += "%.1f ms%s | " % (step, share)
+        row = "| %s | %s | %.1f ms (%.1f-%.1f) | %.2f | %.2fx; %.2f-%.2fx; %.2fx | %.2f | %s | "
+        row += batched.replace("%", "%%") + "%.2f s (%s) | %s |"
         lines.append(
-            "| %s | %s | %.1f ms (%.1f-%.1f) | %.2f | %.2fx; %.2f-%.2fx; %.2fx | %.2f | %s | %.2f s (%s) | %s |"
+            row
             % (
                 level,
                 f["dtype"],

@@ -194,6 +194,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             prompt_tokens=args.prompt_tokens,
             kernels=args.kernels,
+            batches=tuple(args.batches),
         )
     )
     result["read_bandwidth_bytes_per_s"] = measure_read_bandwidth(threads)["bytes_per_s"]
@@ -385,6 +386,13 @@ def _add_decode(commands) -> None:
         help="the rest's dtype (default: as planned)",
     )
     decode.add_argument("--prompt-tokens", type=int, default=256, help="prompt timed once per round (default: 256)")
+    decode.add_argument(
+        "--batches",
+        nargs="*",
+        type=int,
+        default=[4],
+        help="sequence counts decoded together, each timed after the single stream (default: 4)",
+    )
     decode.add_argument(
         "--kernels",
         choices=("auto", "stock", "both"),
