@@ -219,7 +219,8 @@ def test_an_image_and_a_question_stream_an_answer_with_its_timing(worker, browse
     assert first["image"] == "encoded" and first["worker"] == httpx.get(worker.url + "/status").json()["worker"]["name"]
     assert browser.evaluate("!document.getElementById('preview').hidden")
     ask(browser, "What colour is the top left corner?")  # the same image, a second question
-    assert timing(browser)["image"] == "from the vision cache"
+    second = timing(browser)  # the first prompt's keys and values up to the question, the image's included
+    assert second["image"] == "from an earlier prompt" and second["prompt"].endswith(" reused"), second
     browser.screenshot(ARTIFACTS / "answer.png")
     assert browser.errors == []
 

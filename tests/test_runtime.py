@@ -17,8 +17,9 @@ from vlserve.runtime.background import BackgroundWork
 from vlserve.runtime.caches import LRUCache
 from vlserve.runtime.images import ImageInput
 from vlserve.runtime.metrics import Metrics
+from vlserve.runtime.prefixcache import MIN_TOKENS, Entry, PrefixCache, shared_prefix
 from vlserve.runtime.prompts import build_prompt, image_tokens_only, resolve_max_tokens
-from vlserve.runtime.requests import Sequence
+from vlserve.runtime.requests import Prompt, Sequence
 from vlserve.runtime.runner import ModelRunner, feature_bytes
 from vlserve.runtime.sampling import SamplingParams
 from vlserve.runtime.scheduler import Scheduler
@@ -192,11 +193,12 @@ def test_the_runner_prefills_a_group_as_the_model_alone_would_and_caches_images(
 # -- the scheduler ---------------------------------------------------------------------------
 
 
-def scheduler_for(loaded, **limits) -> Scheduler:
+def scheduler_for(loaded, prefix_cache: PrefixCache | None = None, **limits) -> Scheduler:
     limits = LimitSettings(**limits)
     metrics = Metrics()
     scheduler = Scheduler(limits, metrics)
-    runner = ModelRunner(loaded.model, "float32", loaded.pad_id, LRUCache(1 << 30, cost=feature_bytes), metrics)
+    vision_cache = LRUCache(1 << 30, cost=feature_bytes)
+    runner = ModelRunner(loaded.model, "float32", loaded.pad_id, vision_cache, metrics, prefix_cache=prefix_cache)
     scheduler.attach(runner, OutputStream(loaded.processor.tokenizer, loaded.eos_ids, limits, metrics, LRUCache(4)))
     return scheduler
 
@@ -240,3 +242,118 @@ def test_the_scheduler_refuses_past_its_queue_drops_the_cancelled_and_times_out_
     assert cancelled.done and cancelled.sink.reason is None and cancelled.sink.error is None
     assert isinstance(late.sink.error, RequestTimeout)
     assert scheduler.metrics.cancelled._value.get() == 1
+
+
+# -- the prefix cache --------------------------------------------------------------------------
+
+
+def token_prompt(ids: list[int], images: list[tuple[int, int, str]] = ()) -> Prompt:
+    """A prompt of these token ids, its images' tokens at (start, end) with their keys (no model)."""
+    types = torch.zeros(len(ids), dtype=torch.long)
+    for start, end, _ in images:
+        types[start:end] = 1
+    return Prompt(torch.tensor(ids), types, None, None, [key for _, _, key in images], "")
+
+
+def stored(ids: list[int], images: list[tuple[int, int, str]] = ()) -> Entry:
+    """An entry of these tokens: 2 layers of one key/value head of width 1 (16 bytes a token), the
+    token's id as its key and value."""
+    kv = torch.tensor(ids, dtype=torch.float32).view(1, 1, 1, -1, 1).expand(2, 2, 1, len(ids), 1).clone()
+    return Entry(torch.tensor(ids), list(images), kv)
+
+
+def test_a_stored_prefix_serves_equal_tokens_and_images_never_a_part_of_an_image_or_the_last_token():
+    base = list(range(100, 160))  # 60 tokens, an image at 10-30
+    image = [(10, 30, "photo")]
+    entry = stored(base, image)
+    assert shared_prefix(torch.tensor([*base, 7, 8]), image, entry) == 60
+    assert shared_prefix(torch.tensor(base[:45] + [1] * 20), image, entry) == 45  # the first other token
+    assert shared_prefix(torch.tensor(base), [(10, 30, "another photo")], entry) == 10  # same ids, not the same image
+    assert shared_prefix(torch.tensor(base[:20] + [1] * 40), image, entry) == 10  # never half an image
+    assert shared_prefix(torch.tensor(base), image, entry, limit=25) == 10
+    cache = PrefixCache(1 << 20)
+    cache.store(entry, live=0)
+    hit = cache.lookup(token_prompt(base, image))  # the whole prompt: its last token is left to compute
+    assert hit.entry is entry and hit.tokens == 59
+    assert cache.lookup(token_prompt(base[: MIN_TOKENS - 1] + [1] * 40, image)) is None  # too short to be worth it
+    assert cache.lookup(token_prompt(base, [(10, 30, "another photo")])) is None
+
+
+def test_the_prefix_cache_keeps_the_longest_turn_and_gives_way_to_running_sequences():
+    first = stored(list(range(100, 140)))  # 40 tokens, 640 bytes
+    follow_up = stored(list(range(100, 180)))  # the same conversation, one turn on: 80 tokens
+    cache = PrefixCache(budget_bytes=4000)
+    cache.store(first, live=0)
+    cache.store(follow_up, live=0)  # it serves everything `first` served
+    assert len(cache) == 1 and cache.cost == follow_up.bytes == 1280
+    cache.store(stored(list(range(100, 150))), live=0)  # a prefix of what is kept: nothing new
+    assert len(cache) == 1
+    other = stored(list(range(200, 260)))
+    cache.store(other, live=0)
+    assert len(cache) == 2 and cache.cost == 1280 + 960
+    cache.lookup(token_prompt(list(range(100, 170))))  # the follow-up is used: the other is older now
+    cache.fit(live=2000)  # running sequences take 2000 of the 4000: the least recently used goes
+    assert len(cache) == 1 and cache.lookup(token_prompt(list(range(200, 250)))) is None
+    cache.store(stored(list(range(300, 400))), live=3000)  # 1600 bytes do not fit beside 3000
+    assert cache.cost == 1280
+    assert not PrefixCache(4000, max_bytes=0).enabled and PrefixCache(4000, max_bytes=10**9).max_bytes == 4000
+
+
+def big_picture(seed: int) -> ImageInput:
+    image = Image.effect_noise((224, 224), 40 + seed).convert("RGB")  # tens of image tokens
+    return ImageInput(image, hashlib.sha256(image.tobytes()).hexdigest())
+
+
+def answer(scheduler: Scheduler, messages: list[dict], loaded, max_tokens: int = 4) -> Sequence:
+    seq = sequence(build_prompt(loaded.processor, messages, 2), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    scheduler.enqueue(seq)
+    run_until_idle(scheduler)
+    assert seq.sink.error is None, seq.sink.error
+    return seq
+
+
+def test_a_follow_up_turn_computes_only_what_follows_the_first_turn_and_answers_the_same(loaded):
+    image = big_picture(1)
+    cached = scheduler_for(loaded, prefix_cache=PrefixCache(1 << 30), max_batch_size=2)
+    plain = scheduler_for(loaded, max_batch_size=2)
+    first = answer(cached, ask("Describe it.", image), loaded)
+    assert first.cached_tokens == 0 and len(cached.runner.prefix_cache) == 1
+    turns = [
+        *ask("Describe it.", image),
+        {"role": "assistant", "content": first.sink.text},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    encoded = cached.metrics.image_encode_seconds._sum.get()
+    follow_up = answer(cached, turns, loaded)
+    fed = torch.tensor(first.prompt.input_ids.tolist() + first.generated[:-1])  # what the first turn's cache holds
+    shared = shared_prefix(follow_up.prompt.input_ids, [], stored(fed.tolist()))
+    assert follow_up.cached_tokens == shared >= first.prompt.tokens
+    assert follow_up.sink.usage.cached_tokens == shared and follow_up.sink.usage.images_from_cache == 1
+    assert cached.metrics.image_encode_seconds._sum.get() == encoded  # the image was not encoded again
+    assert follow_up.sink.text == answer(plain, turns, loaded).sink.text
+    # The same conversation about another picture: nothing of the first image's is reused.
+    elsewhere = turns[:]
+    elsewhere[0] = ask("Describe it.", big_picture(2))[0]
+    other = answer(cached, elsewhere, loaded)
+    assert other.cached_tokens < other.prompt.input_ids.tolist().index(loaded.processor.image_token_id)
+    assert other.sink.text == answer(plain, elsewhere, loaded).sink.text
+
+
+def test_a_group_prefills_rows_with_and_without_a_stored_prefix_as_each_alone(loaded):
+    image = big_picture(3)
+    cached = scheduler_for(loaded, prefix_cache=PrefixCache(1 << 30), max_batch_size=2)
+    answer(cached, ask("Describe it.", image), loaded)
+    second = build_prompt(loaded.processor, ask("What is in the corner, at the top left?", image), 1)
+    fresh = build_prompt(loaded.processor, ask("Hello there, how are you today?"), 1)
+    runner = cached.runner
+    params = SamplingParams(max_tokens=4)
+    with torch.inference_mode():
+        group = [sequence(second, params), sequence(fresh, params)]
+        batch, tokens = runner.prefill(group)
+        assert group[0].cached_tokens > 0 and group[1].cached_tokens == 0
+        steps = [runner.decode(batch, [params] * 2) for _ in range(2)]
+        for row, prompt in enumerate((second, fresh)):  # each alone, without the cache
+            alone = scheduler_for(loaded).runner
+            one, first = alone.prefill([sequence(prompt, params)])
+            assert int(first[0]) == int(tokens[row])
+            assert [int(alone.decode(one, [params])[0]) for _ in range(2)] == [int(step[row]) for step in steps]

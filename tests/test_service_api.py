@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from conftest import Server
-from sample_images import data_uri, image_question, jpeg_bytes, png_bytes
+from sample_images import chat, data_uri, image_question, jpeg_bytes, png_bytes
 from vlserve.kernels import native
 from vlserve.sizing import contract
 from vlserve.sizing.certificates import not_after
@@ -150,13 +150,17 @@ def test_eight_parallel_clients_are_batched_and_all_complete(server):
     assert total / steps > 1.5, "decode steps averaged %.2f sequences: requests were not batched" % (total / steps)
 
 
-def test_caches_hit_for_a_repeated_request_and_a_second_question(server):
+def test_caches_hit_for_a_repeated_request_a_second_question_and_the_same_image_elsewhere(server):
     image = png_bytes(size=(200, 200), color=(10, 20, 30))
     before = server.metrics()
     first = post(server, image_question(image, "What is it?", max_tokens=6, temperature=0)).json()
     again = post(server, image_question(image, "What is it?", max_tokens=6, temperature=0)).json()
     other = post(server, image_question(image, "And the colors?", max_tokens=6, temperature=0))
     assert other.status_code == 200
+    # The image after a question: no stored prefix holds it, the vision cache does.
+    parts = [{"type": "text", "text": "Look at this:"}, {"type": "image_url", "image_url": {"url": data_uri(image)}}]
+    later = post(server, chat(parts, max_tokens=6, temperature=0))
+    assert later.status_code == 200
     after = server.metrics()
 
     def delta(name, cache):
@@ -166,11 +170,23 @@ def test_caches_hit_for_a_repeated_request_and_a_second_question(server):
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert again["usage"] == dict(first["usage"], answer_from_cache=True)
     assert first["usage"]["images"] == 1 and first["usage"]["images_from_cache"] == 0
-    assert other.json()["usage"]["images_from_cache"] == 1 and not other.json()["usage"]["answer_from_cache"]
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    # The second question: the first's keys and values up to the question (the image's tokens
+    # included), so its image was neither encoded nor looked up.
+    usage = other.json()["usage"]
+    assert usage["images_from_cache"] == 1 and not usage["answer_from_cache"]
+    assert usage["image_tokens"] < usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+    assert later.json()["usage"]["images_from_cache"] == 1
+    assert later.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert delta("vlserve_cache_hits_total", "result") == 1
-    assert delta("vlserve_cache_misses_total", "result") == 2
+    assert delta("vlserve_cache_misses_total", "result") == 3
+    assert delta("vlserve_cache_hits_total", "prefix") == 1 and delta("vlserve_cache_misses_total", "prefix") == 2
     assert delta("vlserve_cache_misses_total", "vision") == 1  # the first request encoded the image
-    assert delta("vlserve_cache_hits_total", "vision") == 1  # the second question reused it
+    assert delta("vlserve_cache_hits_total", "vision") == 1  # the image after a question reused it
+    cached = after[("vlserve_prompt_tokens_cached_total", ())] - before.get(
+        ("vlserve_prompt_tokens_cached_total", ()), 0
+    )
+    assert cached == usage["prompt_tokens_details"]["cached_tokens"]
 
 
 def test_metrics_parse_and_count_outcomes(server):

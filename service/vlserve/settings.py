@@ -159,6 +159,12 @@ class LimitSettings(BaseSettings):
     image_fetch_timeout_s: float = Field(10.0, gt=0, description="timeout of one image fetch")
     result_cache_entries: int = Field(256, ge=0, description="answers kept for repeated greedy requests (0: off)")
     vision_cache_bytes: int = Field(256 * 2**20, ge=0, description="vision features kept by image (0: off)")
+    prefix_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="keys and values of finished requests kept for prompts that start the same way, as follow-up "
+        "turns do (default: what the running requests leave of the planned key/value cache; 0: off)",
+    )
     memory_limit_bytes: int | None = Field(
         None, ge=0, description="resident memory at which new requests get 503 (default: the cgroup's memory.high)"
     )

@@ -65,10 +65,15 @@ class ChatCompletionRequest(BaseModel):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # the prompt's first tokens whose keys and values an earlier request computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)  # as OpenAI's
     # vlserve extras (clients that do not know them ignore them): how the caches served this request
     images: int = 0
     images_from_cache: int = 0

@@ -17,7 +17,7 @@ import anyio
 from fastapi import Request
 
 from vlserve.api.errors import APIError, from_engine_error
-from vlserve.api.protocol import UsageInfo
+from vlserve.api.protocol import PromptTokensDetails, UsageInfo
 from vlserve.api.requestlog import RequestTrace
 from vlserve.errors import EngineError
 from vlserve.runtime.engine import Engine
@@ -28,7 +28,9 @@ from vlserve.settings import Settings
 
 
 def usage_info(usage: Usage) -> UsageInfo:
-    return UsageInfo(**asdict(usage), total_tokens=usage.total_tokens)
+    extras = asdict(usage)
+    details = PromptTokensDetails(cached_tokens=extras.pop("cached_tokens"))
+    return UsageInfo(**extras, total_tokens=usage.total_tokens, prompt_tokens_details=details)
 
 
 class QueueSink:

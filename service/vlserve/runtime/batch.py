@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from vlserve.runtime.kvcache import new_cache
+from vlserve.runtime.kvcache import cache_bytes, new_cache
 
 
 @dataclass
@@ -35,6 +35,11 @@ class BatchState:
     @property
     def length(self) -> int:
         return int(self.attention_mask.shape[1])
+
+    @property
+    def kv_bytes(self) -> int:
+        """What the batch's key/value buffers hold (the running sequences' share of the planned cache)."""
+        return cache_bytes(self.cache)
 
     def step_inputs(self) -> dict:
         """Model inputs for one decode step: one token per row."""

@@ -37,6 +37,7 @@ from vlserve.runtime.background import BackgroundWork
 from vlserve.runtime.caches import LRUCache
 from vlserve.runtime.images import ImageInput
 from vlserve.runtime.metrics import Metrics, anonymous_memory
+from vlserve.runtime.prefixcache import PrefixCache
 from vlserve.runtime.prompts import build_prompt, image_tokens_only, resolve_max_tokens
 from vlserve.runtime.requests import Prompt, Sequence, Sink, WaitingSink
 from vlserve.runtime.runner import WARMUP_KEY, ModelRunner, feature_bytes
@@ -57,6 +58,7 @@ class Engine:
         self.loaded: LoadedModel | None = None  # the model, its processor and how they were loaded
         self.result_cache = LRUCache(limits.result_cache_entries)
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=feature_bytes)
+        self.prefix_cache = PrefixCache(0)  # sized at load, once the model's key/value shape is known
         self.scheduler = Scheduler(limits, self.metrics)
         self.background = BackgroundWork([], [], [], None)
         self._thread: threading.Thread | None = None
@@ -132,7 +134,16 @@ class Engine:
         self.background = BackgroundWork(
             loaded.layout_steps, loaded.prefill_copies, loaded.map_copies, loaded.choices.prefill_dtype
         )
-        runner = ModelRunner(loaded.model, loaded.choices.dtype, loaded.pad_id, self.vision_cache, self.metrics)
+        budget = planned_kv_cache(loaded.model.config.text_config, loaded.choices.dtype, self.limits)
+        self.prefix_cache = PrefixCache(budget, self.limits.prefix_cache_bytes)
+        runner = ModelRunner(
+            loaded.model,
+            loaded.choices.dtype,
+            loaded.pad_id,
+            self.vision_cache,
+            self.metrics,
+            prefix_cache=self.prefix_cache,
+        )
         stream = OutputStream(loaded.processor.tokenizer, loaded.eos_ids, self.limits, self.metrics, self.result_cache)
         self.scheduler.attach(runner, stream)
         self.loaded = loaded
@@ -268,6 +279,18 @@ class Engine:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def planned_kv_cache(text_config, dtype: str, limits: LimitSettings) -> int:
+    """The key/value cache the plan gave this worker (its batch at its full context, the sizing
+    engine's formula), from the loaded model's shape: what the prefix cache may fill when it is free."""
+    per_token = sizing.kv_bytes_per_token(
+        text_config.num_hidden_layers,
+        text_config.num_key_value_heads,
+        getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
+        getattr(torch, dtype).itemsize,
+    )
+    return sizing.kv_cache_bytes(per_token, limits.max_batch_size, limits.max_context_tokens)
 
 
 def _cgroup_memory_limit() -> int | None:

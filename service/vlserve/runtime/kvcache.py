@@ -11,6 +11,8 @@ cache whenever sequences join or leave (see batch.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -54,6 +56,9 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._length
 
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (self._key_buffer, self._value_buffer) if b is not None)
+
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
         self._length = 0
@@ -69,10 +74,15 @@ class GrowingLayer(DynamicLayer):
         raise NotImplementedError("vlserve selects rows by rebuilding the cache (batch.py)")
 
 
-def new_cache(layers: int, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Cache:
+def new_cache(layers: int, data: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Cache:
     """An empty cache for `layers` decoder layers, or one holding `data` (keys, values per layer)."""
     cache = Cache(layers=[GrowingLayer() for _ in range(layers)])
     if data is not None:
         for layer, (keys, values) in zip(cache.layers, data, strict=True):
             layer.update(keys, values)
     return cache
+
+
+def cache_bytes(cache: Cache) -> int:
+    """What a cache's buffers hold, spare room included."""
+    return sum(layer.buffer_bytes() for layer in cache.layers)

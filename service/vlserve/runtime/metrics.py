@@ -18,6 +18,7 @@ LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 30
 TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
 # Usage per API client: the names come from the front (the key set's, a bounded list); a worker
 # still keeps at most this many labels, whatever reaches it, and counts the rest as "other".
+CACHES = ("result", "vision", "prefix")  # the engine's caches, by their `cache` label
 MAX_CLIENT_LABELS = 64
 NO_CLIENT = "none"  # a request that came with no client name (straight to the worker, or an open front)
 OTHER_CLIENTS = "other"
@@ -70,6 +71,14 @@ class Metrics:
         )
         self.generated_tokens = Counter("vlserve_generated_tokens", "Tokens generated", registry=registry)
         self.prompt_tokens = Counter("vlserve_prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.cached_prompt_tokens = Counter(
+            "vlserve_prompt_tokens_cached",
+            "Of the prompt tokens, those whose keys and values came from the prefix cache",
+            registry=registry,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "vlserve_prefix_cache_bytes", "Keys and values the prefix cache holds", registry=registry
+        )
         self.cancelled = Counter("vlserve_cancelled_requests", "Requests whose client went away", registry=registry)
         self.cache_hits = Counter("vlserve_cache_hits", "Cache hits", ["cache"], registry=registry)
         self.cache_misses = Counter("vlserve_cache_misses", "Cache misses", ["cache"], registry=registry)
@@ -86,7 +95,7 @@ class Metrics:
         self.anonymous_memory.set_function(lambda: anonymous_memory(process))
         self.ready = Gauge("vlserve_ready", "1 once the model is loaded and warmed up", registry=registry)
         self.own_kernels = self._alert_gauges(registry)
-        for cache in ("result", "vision"):
+        for cache in CACHES:
             self.cache_hits.labels(cache)
             self.cache_misses.labels(cache)
         self.client_requests = Counter(
@@ -136,6 +145,7 @@ class Metrics:
     def bind_engine(self, engine: Any) -> None:
         self.ready.set_function(lambda: 1.0 if engine.ready else 0.0)
         self.own_kernels.set_function(lambda: 1.0 if engine.kernels.startswith(KERNELS_OWN) else 0.0)
+        self.prefix_cache_bytes.set_function(lambda: engine.prefix_cache.cost)
 
     def cache_lookup(self, cache: str, hit: bool) -> None:
         (self.cache_hits if hit else self.cache_misses).labels(cache).inc()
@@ -178,8 +188,8 @@ class Metrics:
             ]
             quantiles[name] = {"p50": histogram_quantile(0.5, buckets), "p95": histogram_quantile(0.95, buckets)}
         value = self.registry.get_sample_value
-        hits = {cache: value("vlserve_cache_hits_total", {"cache": cache}) for cache in ("result", "vision")}
-        misses = {cache: value("vlserve_cache_misses_total", {"cache": cache}) for cache in ("result", "vision")}
+        hits = {cache: value("vlserve_cache_hits_total", {"cache": cache}) for cache in CACHES}
+        misses = {cache: value("vlserve_cache_misses_total", {"cache": cache}) for cache in CACHES}
         process = psutil.Process()
         return {
             "queue_depth": int(value("vlserve_queue_depth")),

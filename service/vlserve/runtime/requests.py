@@ -36,9 +36,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     images: int = 0
-    images_from_cache: int = 0  # whose vision features came from the vision cache
+    images_from_cache: int = 0  # not encoded for this request: from the vision cache or in a stored prefix
     answer_from_cache: bool = False  # the whole answer came from the result cache
     image_tokens: int = 0  # of prompt_tokens, those that stand for images
+    cached_tokens: int = 0  # of prompt_tokens, those whose keys and values came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -70,6 +71,7 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     images_from_cache: int = 0
+    cached_tokens: int = 0  # the prompt's first tokens served by the prefix cache
 
     def cancel(self) -> None:
         """Called from any thread: the scheduler drops the sequence before its next step."""

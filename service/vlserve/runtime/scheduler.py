@@ -100,7 +100,7 @@ class Scheduler:
 
     def _prefill(self, group: list[Sequence]) -> None:
         batch, tokens = self.runner.prefill(group)
-        keep = [row for row, seq in enumerate(group) if self.stream.emit(seq, int(tokens[row]))]
+        keep = self._emit(group, batch, tokens, self._live_kv() + batch.kv_bytes)
         if not keep:
             return
         if len(keep) < len(group):
@@ -110,10 +110,25 @@ class Scheduler:
         else:
             self.batch.merge(batch)
         self.running.extend(group[row] for row in keep)
+        self.runner.make_room(self._live_kv())
 
     def _decode_step(self) -> None:
         tokens = self.runner.decode(self.batch, [s.params for s in self.running])
-        self._keep([row for row, seq in enumerate(self.running) if self.stream.emit(seq, int(tokens[row]))])
+        self._keep(self._emit(self.running, self.batch, tokens, self._live_kv()))
+
+    def _live_kv(self) -> int:
+        return 0 if self.batch is None else self.batch.kv_bytes
+
+    def _emit(self, seqs: list[Sequence], batch: BatchState, tokens, live: int) -> list[int]:
+        """Each row's new token to its sequence: the rows that go on. A finished sequence leaves its keys
+        and values to the prefix cache first."""
+        keep = []
+        for row, seq in enumerate(seqs):
+            if self.stream.emit(seq, int(tokens[row])):
+                keep.append(row)
+            else:
+                self.runner.remember(seq, batch, row, live)
+        return keep
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()

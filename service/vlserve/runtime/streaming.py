@@ -70,6 +70,7 @@ class OutputStream:
         completion = len(seq.generated)
         self.metrics.generated_tokens.inc(completion)
         self.metrics.prompt_tokens.inc(seq.prompt.tokens)
+        self.metrics.cached_prompt_tokens.inc(seq.cached_tokens)
         self.metrics.e2e_seconds.observe(now - seq.submitted)
         if completion > 1 and seq.first_token_at is not None:
             self.metrics.tpot_seconds.observe((now - seq.first_token_at) / (completion - 1))
@@ -77,7 +78,12 @@ class OutputStream:
             self.result_cache.put(result_key(seq), (seq.text, reason, completion))
         images = len(seq.prompt.image_keys)
         usage = Usage(
-            seq.prompt.tokens, completion, images, seq.images_from_cache, image_tokens=seq.prompt.image_tokens
+            seq.prompt.tokens,
+            completion,
+            images,
+            seq.images_from_cache,
+            image_tokens=seq.prompt.image_tokens,
+            cached_tokens=seq.cached_tokens,
         )
         seq.sink.on_finish(reason, usage)
 

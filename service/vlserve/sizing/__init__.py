@@ -37,6 +37,8 @@ from .footprints import (
     MIN_CONTEXT_TOKENS,
     QUANTIZED_BYTES_PER_32_WEIGHTS,
     ModelFootprint,
+    kv_bytes_per_token,
+    kv_cache_bytes,
     worker_memory,
 )
 from .planner import plan
@@ -71,6 +73,8 @@ __all__ = [
     "dumps",
     "format_cpu_list",
     "int8_products",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
     "native_bfloat16",
     "parse_cpu_list",
     "plan",

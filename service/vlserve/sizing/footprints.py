@@ -66,6 +66,18 @@ MIN_CONTEXT_TOKENS = 2048  # a capped image (~200 tokens), a long question and a
 KV_CHUNK_TOKENS = 128  # the service's key/value cache grows by this many tokens at a time (vlserve/runtime/kvcache.py)
 
 
+def kv_cache_bytes(bytes_per_token: int, sequences: int, context_tokens: int) -> int:
+    """The key/value cache a worker plans for: every sequence at its full context, plus the chunk its
+    buffer may hold spare. The service keeps earlier prompts' keys and values in what the running
+    sequences leave of it (vlserve/runtime/prefixcache.py)."""
+    return bytes_per_token * sequences * (context_tokens + KV_CHUNK_TOKENS)
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, width: int) -> int:
+    """Keys and values of one token through every decoder layer."""
+    return 2 * layers * kv_heads * head_dim * width
+
+
 def worker_memory(
     footprint: ModelFootprint,
     dtype: str,
@@ -97,8 +109,11 @@ def worker_memory(
         weights += footprint.vision_parameters * (COMPUTE_BYTES_PER_32[vision_dtype] - 32 * width) // 32
     if prefill_dtype is not None and prefill_dtype not in (dtype, quantize):
         weights += footprint.text_linear_parameters * COMPUTE_BYTES_PER_32[prefill_dtype] // 32
-    kv_tokens = batch_size * (context_tokens + KV_CHUNK_TOKENS)  # each sequence's buffer may hold a chunk spare
-    kv_cache = 2 * footprint.text_layers * footprint.kv_heads * footprint.head_dim * width * kv_tokens
+    kv_cache = kv_cache_bytes(
+        kv_bytes_per_token(footprint.text_layers, footprint.kv_heads, footprint.head_dim, width),
+        batch_size,
+        context_tokens,
+    )
     steady = weights + kv_cache + footprint.activation_bytes + footprint.runtime_bytes
     # Loading into another dtype than the checkpoint's holds both copies for a moment
     # (measured: float32 from a bf16 checkpoint peaks at 12.3 GB for 8.3 GB steady).

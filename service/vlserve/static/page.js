@@ -117,12 +117,14 @@ function showTiming(t, usage, worker) {
     if (usage.completion_tokens > 1 && decode > 0) {
       timingItem("speed", ((usage.completion_tokens - 1) / decode).toFixed(1) + " tokens/s");
     }
-    timingItem("prompt", usage.prompt_tokens + " tokens");
+    const reused = usage.prompt_tokens_details?.cached_tokens ?? 0;
+    timingItem("prompt", usage.prompt_tokens + " tokens" + (reused ? ", " + reused + " reused" : ""));
     timingItem("answer", usage.completion_tokens + " tokens");
     if (usage.answer_from_cache) {
       timingItem("answer", "from the result cache");
     } else if (usage.images) {
-      timingItem("image", usage.images_from_cache ? "from the vision cache" : "encoded");
+      const from = reused ? "from an earlier prompt" : "from the vision cache";
+      timingItem("image", usage.images_from_cache ? from : "encoded");
     }
   }
   timingItem("total", ((t.end - t.sent) / 1000).toFixed(2) + " s");
