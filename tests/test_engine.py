@@ -13,7 +13,7 @@ from PIL import Image
 
 import vlserve.model.loader
 from conftest import run_tool
-from vlserve.errors import ContextLengthExceeded, RequestTimeout
+from vlserve.errors import ContextLengthExceeded, MemoryPressure, RequestTimeout
 from vlserve.kernels import native
 from vlserve.kernels.quantized import INT8_PREFILL_ROWS, Int8Linear, Int8Weight
 from vlserve.model.packing import PREFILL_ROWS, PackedBf16Weight, PackedGroup, PackedLinear, packing_supported
@@ -226,6 +226,17 @@ def test_a_request_past_its_deadline_fails_with_a_timeout(engine):
     finally:
         engine.limits.request_timeout_s = 30
     assert isinstance(sink.error, RequestTimeout)
+
+
+def test_the_memory_guard_drops_the_stored_prefixes_before_it_refuses_a_request(engine, monkeypatch):
+    first = run(engine, CONVERSATIONS[2], tokens=4)[0]
+    assert engine.prefix_cache.cost > 0
+    again = run(engine, CONVERSATIONS[2], tokens=4, temperature=0.5, seed=1)[0]  # past the result cache
+    assert again.cached_tokens == first.prompt.tokens - 1  # all but the last token, whose logits it needs
+    monkeypatch.setattr(engine, "_memory_limit", 1)  # any worker is over one byte
+    with pytest.raises(MemoryPressure):
+        engine.submit(engine.prepare(CONVERSATIONS[2]), SamplingParams(max_tokens=4, temperature=0.5), Collect())
+    assert engine.prefix_cache.cost == 0 and len(engine.prefix_cache) == 0
 
 
 def test_context_limit(engine):

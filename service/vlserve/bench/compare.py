@@ -21,11 +21,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
-
 from vlserve import sizing
 from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth
-from vlserve.bench.loadgen import LoadSpec, chat_url, run_load, stream_request
+from vlserve.bench.loadgen import LoadSpec, run_load, single_requests
 from vlserve.bench.servers import LocalServer, start_plan_workers, warm_page_cache
 from vlserve.bench.workload import Workload
 from vlserve.sizing.contract import QUANTIZED_LEVELS
@@ -117,17 +115,6 @@ class _Config:
         return start_plan_workers(model, self.plan, extra=COMMON)
 
 
-def _single_requests(urls: list[str], bodies: list[dict]) -> list:
-    results = []
-    with httpx.Client(timeout=httpx.Timeout(7200.0, connect=10.0)) as client:
-        for url, body in zip(urls, bodies, strict=True):
-            result = stream_request(client, chat_url(url), body, {})
-            if not result.ok:
-                raise RuntimeError("a benchmark request failed: %s" % result.error)
-            results.append(result)
-    return results
-
-
 def measure_config(config: _Config, options: CompareOptions) -> dict:
     startups, settled, peaks = [], [], []
     if config.plan is not None and config.plan["model"]["quantize"] != "none":
@@ -179,14 +166,14 @@ def measure_config(config: _Config, options: CompareOptions) -> dict:
         first_ttft, second_ttft, first_e2e, repeat_e2e = [], [], [], []
         for pair in range(options.cache_pairs):
             pictures = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=3000 + pair)
-            one, two = _single_requests(
+            one, two = single_requests(
                 [urls[0]] * 2, [pictures.payload(0, None, question=0), pictures.payload(0, None, question=1)]
             )
             first_ttft.append(one.ttft_s)
             second_ttft.append(two.ttft_s)
             repeated = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=4000 + pair)
             body = repeated.payload(0, None)
-            one, two = _single_requests([urls[0]] * 2, [body, body])
+            one, two = single_requests([urls[0]] * 2, [body, body])
             first_e2e.append(one.e2e_s)
             repeat_e2e.append(two.e2e_s)
     finally:

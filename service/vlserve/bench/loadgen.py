@@ -74,6 +74,18 @@ def chat_url(base: str) -> str:
     return base + "/v1/chat/completions"
 
 
+def single_requests(urls: list[str], bodies: list[dict]) -> list[RequestResult]:
+    """Streamed requests one after the other (each body to its URL); any failure raises."""
+    results = []
+    with httpx.Client(timeout=httpx.Timeout(7200.0, connect=10.0)) as client:
+        for url, body in zip(urls, bodies, strict=True):
+            result = stream_request(client, chat_url(url), body, {})
+            if not result.ok:
+                raise RuntimeError("a benchmark request failed: %s" % result.error)
+            results.append(result)
+    return results
+
+
 def stream_request(client: httpx.Client, url: str, body: dict, headers: dict[str, str]) -> RequestResult:
     """One streamed chat completion, timed from before the request is sent."""
     started = time.perf_counter()

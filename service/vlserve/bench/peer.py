@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlserve.bench.loadgen import LoadSpec, MemoryWatch, run_load
+from vlserve.bench.loadgen import LoadSpec, MemoryWatch, run_load, single_requests
 from vlserve.bench.servers import ServerProcess, free_port, start_plan_workers, warm_page_cache
 from vlserve.bench.workload import Workload
 
@@ -282,6 +282,21 @@ def _load(options: PeerOptions, urls: list[str], clients: int, pids: list[int]) 
     }
 
 
+def _second_question(options: PeerOptions, url: str) -> dict:
+    """Two questions about each of `options.requests` new photos, one client: the first's time to
+    first token and the second's, which the server may shorten by reusing the first prompt's keys and
+    values (vlserve's prefix cache, llama-server's prompt cache) or its image's encoding."""
+    first, second = [], []
+    for index in range(options.requests):
+        photos = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=5000 + index)
+        one, two = single_requests(
+            [url] * 2, [photos.payload(0, None, question=0), photos.payload(0, None, question=1)]
+        )
+        first.append(one.ttft_s)
+        second.append(two.ttft_s)
+    return {"first_ttft_s": statistics.median(first), "second_ttft_s": statistics.median(second)}
+
+
 def _rss(pids: list[int]) -> int:
     return MemoryWatch(pids).sample()
 
@@ -306,6 +321,7 @@ def run_vlserve(options: PeerOptions, level: str) -> dict:
         }
         for clients in options.concurrency:
             figures["loads"][clients] = _load(options, [server.url for server in servers], clients, pids)
+        figures["second_question"] = _second_question(options, servers[0].url)
         figures["peak_rss_bytes"] = max(sum(s.peak_rss_bytes for s in servers), _rss(pids))
     finally:
         for server in servers:
@@ -329,6 +345,8 @@ def run_llama(options: PeerOptions, build: dict, files: dict[str, Path], kind: s
                 figures.update(ready_s=server.ready_after_s, settled_s=server.ready_after_s)
                 figures["settled_rss_bytes"] = _rss(pids)
             figures["loads"][clients] = _load(options, [server.url], clients, pids)
+            if clients == options.concurrency[0]:
+                figures["second_question"] = _second_question(options, server.url)
             peaks.append(max(server.memory.peak_bytes, _rss(pids)))
         finally:
             server.stop()
@@ -403,6 +421,13 @@ def figures(concurrency: list[int] | tuple[int, ...]) -> list[tuple]:
     return [
         ("TTFT (ms)", lambda side: side["loads"]["1"]["ttft_s"], 1000, True),
         ("TPOT (ms)", lambda side: side["loads"]["1"]["tpot_s"], 1000, True),
+        ("2nd question TTFT (ms)", lambda side: side["second_question"]["second_ttft_s"], 1000, True),
+        (
+            "2nd / 1st question TTFT",
+            lambda side: side["second_question"]["second_ttft_s"] / side["second_question"]["first_ttft_s"],
+            1,
+            True,
+        ),
         *(("tok/s at %d" % n, lambda side, n=n: side["loads"][str(n)]["output_tokens_per_s"], 1, False) for n in many),
         ("peak memory (GB)", lambda side: side["peak_rss_bytes"], 1e-9, True),
         *(

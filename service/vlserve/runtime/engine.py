@@ -258,6 +258,9 @@ class Engine:
         if seq.use_result_cache and answer_from_cache(seq, self.result_cache, self.metrics):
             return seq
         held = anonymous_memory(self._process)
+        if self._memory_limit and held > self._memory_limit and not warmup and self.prefix_cache.cost:
+            self.prefix_cache.clear()  # stored prefixes go before any request is refused
+            held = anonymous_memory(self._process)
         if self._memory_limit and held > self._memory_limit and not warmup:
             raise MemoryPressure(
                 "resident memory %.1f GiB is over the limit of %.1f GiB; try again shortly"

@@ -16,7 +16,8 @@ worth a row of their own in the prefill.
 
 Bounded like vLLM's prefix cache: the stored entries live in what the planned key/value cache leaves
 free, so they are evicted (least recently used first) as running sequences need the room, and never
-take the worker past the memory the plan gave it. The keys and values of a stored answer are those
+take the worker past the memory the plan gave it; the memory guard drops them all before it refuses
+a request. The keys and values of a stored answer are those
 its decode steps computed; a full prefill of the same tokens may round the last bits differently
 (other kernels), as in llama.cpp's and vLLM's caches.
 """
@@ -88,7 +89,7 @@ class PrefixCache:
         self._entries: OrderedDict[int, Entry] = OrderedDict()
         self._next_id = 0
         self._total = 0
-        self._lock = threading.Lock()  # /metrics reads the sizes from another thread
+        self._lock = threading.Lock()  # the memory guard clears it, /metrics reads it, from other threads
 
     @property
     def enabled(self) -> bool:
@@ -104,18 +105,21 @@ class PrefixCache:
     def lookup(self, prompt: Prompt) -> Hit | None:
         """The stored prefix that serves most of the prompt (all but its last token at most), if any
         serves MIN_TOKENS."""
-        if not self._entries:
+        with self._lock:
+            entries = list(self._entries.items())
+        if not entries:
             return None
         images = image_spans(prompt)
         best, best_id, best_tokens = None, None, 0
-        for entry_id, entry in list(self._entries.items()):
+        for entry_id, entry in entries:
             tokens = shared_prefix(prompt.input_ids, images, entry, limit=prompt.tokens - 1)
             if tokens > best_tokens:
                 best, best_id, best_tokens = entry, entry_id, tokens
         if best is None or best_tokens < MIN_TOKENS:
             return None
         with self._lock:
-            self._entries.move_to_end(best_id)
+            if best_id in self._entries:  # not evicted meanwhile (the memory guard may clear from another thread)
+                self._entries.move_to_end(best_id)
         return Hit(best, best_tokens)
 
     def room(self, live: int) -> int:
@@ -141,6 +145,12 @@ class PrefixCache:
             self._next_id += 1
             self._total += entry.bytes
         self.fit(live)
+
+    def clear(self) -> None:
+        """Drop every entry (a request holding one keeps it until its prefill is done)."""
+        with self._lock:
+            self._entries.clear()
+            self._total = 0
 
     def fit(self, live: int) -> None:
         """Evict the least recently used entries until what is kept fits beside `live` bytes."""
