@@ -255,8 +255,8 @@ def peer_side(ttft: float, tpot: float, rates: dict[int, float], peak: float, re
         n: {"ttft_s": ttft, "tpot_s": tpot, "output_tokens_per_s": rate, "peak_rss_bytes": peak * n / 4}
         for n, rate in rates.items()
     }
-    second = {"first_ttft_s": ttft, "second_ttft_s": ttft / 4}
-    return {"loads": loads, "second_question": second, "peak_rss_bytes": peak, "settled_rss_bytes": peak / 2,
+    second = {"first_ttft_s": ttft, "second_ttft_s": ttft / 4, "follow_up_ttft_s": ttft / 2}
+    return {"loads": loads, "turns": second, "peak_rss_bytes": peak, "settled_rss_bytes": peak / 2,
             "ready_s": ready, "settled_s": ready}  # fmt: skip
 
 
@@ -273,6 +273,7 @@ def test_the_peer_table_is_the_ratio_of_the_medians_over_rounds_with_each_sides_
     assert summary["TTFT (ms)"]["ratio"] == pytest.approx(0.3 / 1.0)
     assert summary["2nd question TTFT (ms)"]["vlserve"]["median"] == pytest.approx(75)
     assert summary["2nd / 1st question TTFT"]["llama"]["median"] == pytest.approx(0.25)
+    assert summary["follow-up / 1st TTFT"]["vlserve"]["median"] == pytest.approx(0.5)
     assert summary["tok/s at 4"]["ratio"] == pytest.approx(50 / 25)
     assert summary["peak memory (GB)"]["ratio"] == pytest.approx(2.5)
     assert summary["ready (s)"]["llama"] == {"median": 2, "min": 2, "max": 3}

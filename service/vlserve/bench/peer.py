@@ -282,19 +282,36 @@ def _load(options: PeerOptions, urls: list[str], clients: int, pids: list[int]) 
     }
 
 
-def _second_question(options: PeerOptions, url: str) -> dict:
-    """Two questions about each of `options.requests` new photos, one client: the first's time to
-    first token and the second's, which the server may shorten by reusing the first prompt's keys and
-    values (vlserve's prefix cache, llama-server's prompt cache) or its image's encoding."""
-    first, second = [], []
+# What the client sends back as the first answer in a follow-up turn. Random weights answer in filler
+# tokens that do not come back the same through text, so an ordinary sentence of about a 16-token
+# answer's length stands in: both servers reuse the first prompt and compute this and the new question
+# (with a trained model's own answer they would reuse it too, and compute less).
+STAND_IN_ANSWER = "The photo shows a bright room with a table, two chairs and a window on the left."
+
+
+def _later_turns(options: PeerOptions, url: str) -> dict:
+    """For each of `options.requests` new photos, one client: a first question, a second question
+    about the same photo, and a follow-up turn (the first question, an answer, a new question). The
+    server may shorten the later ones by reusing the first prompt's keys and values (vlserve's prefix
+    cache, llama-server's prompt cache) or its image's encoding."""
+    first, second, follow_up = [], [], []
     for index in range(options.requests):
         photos = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=5000 + index)
-        one, two = single_requests(
-            [url] * 2, [photos.payload(0, None, question=0), photos.payload(0, None, question=1)]
-        )
+        opening = photos.payload(0, None, question=0)
+        turns = json.loads(json.dumps(opening))
+        turns["messages"] += [
+            {"role": "assistant", "content": STAND_IN_ANSWER},
+            {"role": "user", "content": "Why do you think so?"},
+        ]
+        one, two, three = single_requests([url] * 3, [opening, photos.payload(0, None, question=1), turns])
         first.append(one.ttft_s)
         second.append(two.ttft_s)
-    return {"first_ttft_s": statistics.median(first), "second_ttft_s": statistics.median(second)}
+        follow_up.append(three.ttft_s)
+    return {
+        "first_ttft_s": statistics.median(first),
+        "second_ttft_s": statistics.median(second),
+        "follow_up_ttft_s": statistics.median(follow_up),
+    }
 
 
 def _rss(pids: list[int]) -> int:
@@ -321,7 +338,7 @@ def run_vlserve(options: PeerOptions, level: str) -> dict:
         }
         for clients in options.concurrency:
             figures["loads"][clients] = _load(options, [server.url for server in servers], clients, pids)
-        figures["second_question"] = _second_question(options, servers[0].url)
+        figures["turns"] = _later_turns(options, servers[0].url)
         figures["peak_rss_bytes"] = max(sum(s.peak_rss_bytes for s in servers), _rss(pids))
     finally:
         for server in servers:
@@ -346,7 +363,7 @@ def run_llama(options: PeerOptions, build: dict, files: dict[str, Path], kind: s
                 figures["settled_rss_bytes"] = _rss(pids)
             figures["loads"][clients] = _load(options, [server.url], clients, pids)
             if clients == options.concurrency[0]:
-                figures["second_question"] = _second_question(options, server.url)
+                figures["turns"] = _later_turns(options, server.url)
             peaks.append(max(server.memory.peak_bytes, _rss(pids)))
         finally:
             server.stop()
@@ -421,10 +438,16 @@ def figures(concurrency: list[int] | tuple[int, ...]) -> list[tuple]:
     return [
         ("TTFT (ms)", lambda side: side["loads"]["1"]["ttft_s"], 1000, True),
         ("TPOT (ms)", lambda side: side["loads"]["1"]["tpot_s"], 1000, True),
-        ("2nd question TTFT (ms)", lambda side: side["second_question"]["second_ttft_s"], 1000, True),
+        ("2nd question TTFT (ms)", lambda side: side["turns"]["second_ttft_s"], 1000, True),
         (
             "2nd / 1st question TTFT",
-            lambda side: side["second_question"]["second_ttft_s"] / side["second_question"]["first_ttft_s"],
+            lambda side: side["turns"]["second_ttft_s"] / side["turns"]["first_ttft_s"],
+            1,
+            True,
+        ),
+        (
+            "follow-up / 1st TTFT",
+            lambda side: side["turns"]["follow_up_ttft_s"] / side["turns"]["first_ttft_s"],
             1,
             True,
         ),
