@@ -287,6 +287,7 @@ function showStatus(status) {
     ["queue", f.queue_depth + " waiting, " + f.running + " running"],
     ["time to first token", "p50 " + seconds(f.ttft_s.p50) + ", p95 " + seconds(f.ttft_s.p95)],
     ["time per token", "p50 " + seconds(f.tpot_s.p50) + ", p95 " + seconds(f.tpot_s.p95)],
+    ["prefix cache hits", ratio(f.cache_hit_ratio.prefix)],
     ["vision cache hits", ratio(f.cache_hit_ratio.vision)],
     ["result cache hits", ratio(f.cache_hit_ratio.result)],
     ["tokens generated", String(f.generated_tokens)],
