@@ -1,8 +1,9 @@
 """Build facts (schema vlserve.facts/1) for hosts this machine is not: the fixtures and the property tests.
 
 `python tests/topology_builder.py` rewrites tests/fixtures/topologies/*.json from HOSTS below; the
-one real capture (xeon-avx512bf16-2vcpu-vm.json, a 2-vCPU Xeon VM with AVX-512 VNNI and BF16, no
-AMX) comes from `vlserve probe --json` and is left alone.
+real captures (xeon-avx512bf16-2vcpu-vm.json, a 2-vCPU Xeon VM with AVX-512 VNNI and BF16, no AMX;
+epyc-zen4-avx512bf16-2vcpu-vm.json, a 2-vCPU AMD EPYC VM with the same ISA) come from
+`vlserve probe --json` and are left alone.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ class ModelSettings(BaseSettings):
     )
     vision_dtype: Literal[(AUTO, *FLOAT_DTYPES, "int8")] = Field(
         "auto",
-        description="vision encoder dtype; auto: float32 unless the CPU has AMX (without it bfloat16 "
-        "matrix products are slower than float32 ones, and the encoder is compute-bound); int8: Q8_0 "
+        description="vision encoder dtype; auto: bfloat16 where its matrix products are the fast ones (AMX, "
+        "AMD's AVX-512 BF16), else float32 (the encoder is compute-bound); int8: Q8_0 "
         "products through vlserve's kernels (AVX-512 VNNI or AVX2; changes the numerics; chosen by auto at "
         "the int8 and int4 levels)",
     )
@@ -71,8 +71,8 @@ class ModelSettings(BaseSettings):
     )
     prefill_dtype: Literal[(AUTO, *FLOAT_DTYPES, *QUANTIZED_LEVELS)] = Field(
         "auto",
-        description="dtype of prompt-sized products in a packed bfloat16 model; auto: float32 unless the CPU "
-        "has AMX (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8, in "
+        description="dtype of prompt-sized products in a packed bfloat16 model; auto: bfloat16 where its "
+        "matrix products are the fast ones (AMX, AMD's AVX-512 BF16), else float32 (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8, in "
         "float32 models too: a Q8_0 copy (1.5 GB) multiplied by vlserve's kernels (about twice as fast, "
         "changes the numerics; chosen by auto at the int4 level)",
     )

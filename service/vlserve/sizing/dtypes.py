@@ -113,13 +113,33 @@ def plan_dtype(
     )
 
 
+def bfloat16_products_fast(cpu: dict[str, Any]) -> str | None:
+    """Why bfloat16 matrix products outrun float32 ones on this x86 CPU, or None where they do not.
+
+    AMX runs them on its tiles. AMD's AVX-512 BF16 (Zen 4 on) does too: on a 2-vCPU EPYC VM, torch's
+    bfloat16 products of 64-1024 rows took 0.21-0.23 of float32's time (6144x2048 and 2048x6144, 2
+    threads), and a `none` worker's first token on a 1280x720 photo came in 2.1 s against 6.7 s with
+    the float32 copies, in 5.4 GB settled against 11.8 (2026-12-04, docs/benchmarks.md). Intel's AVX-512
+    BF16 without AMX does not: there oneDNN's bf16 products ran at 0.6-0.7 of float32's speed (a
+    2-core Sapphire Rapids VM with AMX hidden). Arm's BF16 products are not measured here."""
+    if is_arm(cpu):
+        return None
+    isa = cpu["isa"]
+    if isa.get("amx_bf16"):
+        return "AMX: bfloat16 matrix products are the fast ones"
+    if isa.get("avx512_bf16") and cpu.get("vendor") == "AuthenticAMD":
+        return "AVX-512 BF16 on AMD: bfloat16 matrix products are the fast ones (4.5x float32's, no copy)"
+    return None
+
+
 def plan_vision_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") -> tuple[str, str]:
     """The vision tower's dtype: it runs once per image on hundreds of patches, so it is compute-bound.
 
-    Only AMX makes bfloat16 matrix products faster than float32 ones; with AVX-512 BF16 alone, oneDNN's
-    bf16 GEMMs measured 174-190 GFLOP/s against 283 for float32 on a 2-core Sapphire Rapids VM (the
-    vision encoder: 3.4 s in bf16, 1.95 s in float32 for a 448x448 image). Decoding is memory-bound
-    and stays in `dtype`. At a quantize level and with VNNI, int8 (vlserve/kernels/quantized.py).
+    bfloat16 where its matrix products are the fast ones (`bfloat16_products_fast`), else float32:
+    with AVX-512 BF16 alone on Intel, oneDNN's bf16 GEMMs measured 174-190 GFLOP/s against 283 for
+    float32 on a 2-core Sapphire Rapids VM (the vision encoder: 3.4 s in bf16, 1.95 s in float32 for a
+    448x448 image). Decoding is memory-bound and stays in `dtype`. At a quantize level and with VNNI,
+    int8 (vlserve/kernels/quantized.py).
     """
     return _compute_dtype(
         cpu,
@@ -135,10 +155,11 @@ def plan_prefill_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") 
     """The dtype of the prompt's pass through the text decoder (prefill), which is compute-bound.
 
     Decoding reads every weight once per token and wants bfloat16's half-size reads; a prompt of a few
-    hundred tokens is a matrix product as big as the vision tower's. Without AMX, float32 GEMMs beat
-    oneDNN's packed bfloat16 ones from about 48 rows on (0.66-0.72 of the time at 128-256 rows, on a
-    2-core Sapphire Rapids VM), so a bfloat16 worker keeps a float32 copy of the decoder's linear
-    layers for prompts of 64 tokens or more. At quantize=int8 prompts run on the int8 weights
+    hundred tokens is a matrix product as big as the vision tower's. Where bfloat16 products are not
+    the fast ones (`bfloat16_products_fast`), float32 GEMMs beat oneDNN's packed bfloat16 ones from
+    about 48 rows on (0.66-0.72 of the time at 128-256 rows, on a 2-core Sapphire Rapids VM without
+    AMX), so a bfloat16 worker keeps a float32 copy of the decoder's linear layers for prompts of 64
+    tokens or more. At quantize=int8 prompts run on the int8 weights
     themselves; at int4 through an int8 copy where int8 products are fast (VNNI), for accuracy (int4
     prompts doubled the answers' KL divergence on the real-size checkpoint, docs/quantization.md),
     else on the int4 weights.
@@ -169,11 +190,13 @@ def plan_prefill_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") 
 
 
 def _compute_dtype(cpu: dict[str, Any], dtype: str, quantize: str, *, work: str, float32_why: str) -> tuple[str, str]:
-    """The fastest products for compute-bound `work`: int8 if asked and fast, bf16 with AMX, else float32."""
+    """The fastest products for compute-bound `work`: int8 if asked and fast, bf16 where its products are
+    fast (`bfloat16_products_fast`), else float32."""
+    fast_bfloat16 = bfloat16_products_fast(cpu)
     if dtype == "float32":
         chosen = "float32", "as the language model"
-    elif cpu["isa"].get("amx_bf16") and not is_arm(cpu):
-        chosen = "bfloat16", "AMX: bfloat16 matrix products are the fast ones"
+    elif fast_bfloat16:
+        chosen = "bfloat16", fast_bfloat16
     elif is_arm(cpu):
         chosen = "float32", "as on x86 without AMX: bfloat16 matrix products on Arm are not measured faster here"
     else:
