@@ -57,3 +57,42 @@ def test_a_host_the_plan_refuses_still_loads_without_extra_copies():
     assert chosen.vision_dtype == chosen.prefill_dtype == chosen.dtype and not chosen.packed
     assert chosen.quantize == "none"
     assert chosen.why.startswith("no extra copies: one Qwen3-VL-2B-Instruct worker needs")
+
+
+def _resident_bytes_of(path) -> int:
+    """This process's resident bytes of `path`'s mappings (smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if "-" in line.split(maxsplit=1)[0]:  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_tensor_copied_out_of_the_checkpoint_map_gives_its_pages_back(tmp_path):
+    import mmap  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from vlserve.model import mapped  # noqa: PLC0415
+
+    path = tmp_path / "model.safetensors"
+    original = torch.randn(2048, 1024)  # 8 MiB
+    save_file({"weight": original}, path)
+    with safe_open(path, framework="pt") as checkpoint:
+        weight = checkpoint.get_tensor("weight")  # a view of the file's private mapping
+    assert torch.equal(weight, original)  # read: its pages are resident
+    before = _resident_bytes_of(path)
+    assert before >= weight.nbytes - mmap.PAGESIZE
+    copy = weight.clone()
+    released = mapped.release(weight)
+    assert weight.nbytes - 2 * mmap.PAGESIZE <= released <= weight.nbytes
+    assert _resident_bytes_of(path) <= before - released
+    # Nothing is lost: the copy, and the view itself (its pages come back from the file).
+    assert torch.equal(copy, original) and torch.equal(weight, original)
+    # Anonymous memory is never handed back (MADV_DONTNEED would zero it).
+    assert mapped.release(copy) == 0 and torch.equal(copy, original)

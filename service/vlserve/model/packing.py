@@ -20,7 +20,8 @@ them one per scheduler pass once it is ready (docs/service.md, "Ready first").
 
 Packing copies the weights out of the checkpoint's memory map; everything else is copied out too,
 after ready (`checkpoint_copy_steps`), and the map is released once that and any float32 prefill
-copies below are done: resident memory then counts each weight once. The tied output embedding
+copies below are done. Each copy hands its source's pages back at once (vlserve/model/mapped.py),
+so resident memory counts each weight about once all along, not twice until the map closes. The tied output embedding
 gets its own packed copy (+0.6 GB for Qwen3-VL-2B); the input embedding keeps the plain one for
 lookups.
 
@@ -56,6 +57,7 @@ from vlserve.kernels.quantized import (
     KernelBound,
     whole,
 )
+from vlserve.model import mapped
 from vlserve.model.outliers import exact_format
 from vlserve.sizing.contract import QUANTIZE_LEVELS
 
@@ -104,7 +106,9 @@ class DeferredBf16Weight:
 
     def finish_layout(self) -> None:
         if self.laid_out is None:
-            self.laid_out, self.parts = self.lay_out(self.parts), None
+            parts, self.laid_out = self.parts, self.lay_out(self.parts)
+            self.parts = None
+            mapped.release(*parts)
 
     @property
     def nbytes(self) -> int:
@@ -265,6 +269,7 @@ class PackedLinear(torch.nn.Module):
             self.prefill_bias = None if bias is None else bias.to(dtype)
             self.prefill_weight = weight.to(dtype)  # set last: forward() tests this one
         self._prefill_source = None
+        mapped.release(weight, bias)
 
     def drop_prefill_source(self) -> None:
         """Give up on the copy (prompts keep running on the packed weight) and release the view."""
@@ -451,11 +456,15 @@ def checkpoint_copy_steps(model: torch.nn.Module, checkpoint_dtype: torch.dtype)
     steps: list[Callable[[], None]] = []
 
     def copy_parameter(parameter: torch.nn.Parameter) -> None:
+        source = parameter.data
         with torch.no_grad():
-            parameter.data = parameter.data.clone()
+            parameter.data = source.clone()
+        mapped.release(source)
 
     def copy_buffer(module: torch.nn.Module, name: str) -> None:
-        module._buffers[name] = module._buffers[name].clone()
+        source = module._buffers[name]
+        module._buffers[name] = source.clone()
+        mapped.release(source)
 
     for parameter in model.parameters():
         if parameter.dtype == checkpoint_dtype:  # a tensor converted to another dtype is a copy already
