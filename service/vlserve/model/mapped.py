@@ -78,3 +78,26 @@ def release(*tensors: torch.Tensor | None) -> int:
         else:  # not expected on a private file mapping; the pages just stay until the map closes
             log.debug("madvise(DONTNEED) failed: errno %d", ctypes.get_errno())
     return released
+
+
+CHUNK_BYTES = 32 << 20  # copied, then handed back, this much at a time
+
+
+def copy_out(*parts: torch.Tensor) -> torch.Tensor:
+    """The parts concatenated along their first dimension into fresh memory, each source's pages handed
+    back a chunk at a time as they are copied: the biggest tensor (the 0.6 GB embedding) is never
+    resident twice either."""
+    if parts[0].dim() == 0:
+        return parts[0].clone()
+    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+    start = 0
+    for part in parts:
+        source = part.contiguous()
+        row_bytes = source[0].numel() * source.element_size() if source.shape[0] else 1
+        step = max(1, CHUNK_BYTES // max(1, row_bytes))
+        for first in range(0, source.shape[0], step):
+            rows = source[first : first + step]
+            out[start + first : start + first + rows.shape[0]].copy_(rows)
+            release(rows)
+        start += source.shape[0]
+    return out

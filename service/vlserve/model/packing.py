@@ -152,7 +152,7 @@ class NativeBf16Weight(DeferredBf16Weight, KernelBound):
         super().__init__(weight, bias, prepack=prepack)
 
     def lay_out(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        return mapped.copy_out(*parts)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         weights = [self.laid_out] if self.laid_out is not None else self.parts
@@ -456,15 +456,11 @@ def checkpoint_copy_steps(model: torch.nn.Module, checkpoint_dtype: torch.dtype)
     steps: list[Callable[[], None]] = []
 
     def copy_parameter(parameter: torch.nn.Parameter) -> None:
-        source = parameter.data
         with torch.no_grad():
-            parameter.data = source.clone()
-        mapped.release(source)
+            parameter.data = mapped.copy_out(parameter.data)
 
     def copy_buffer(module: torch.nn.Module, name: str) -> None:
-        source = module._buffers[name]
-        module._buffers[name] = source.clone()
-        mapped.release(source)
+        module._buffers[name] = mapped.copy_out(module._buffers[name])
 
     for parameter in model.parameters():
         if parameter.dtype == checkpoint_dtype:  # a tensor converted to another dtype is a copy already
