@@ -18,6 +18,7 @@ from conftest import REPO, Server, load_topology, run_tool
 from vlserve import sizing
 from vlserve.bench.autotune import AutotuneOptions, candidates, plan_key
 from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth
+from vlserve.bench.footprint import budget_of, misses
 from vlserve.bench.loadgen import chat_url, percentile
 from vlserve.bench.workload import Workload, parse_size, synthetic_photo
 
@@ -116,6 +117,36 @@ def fresh_torch_threads() -> int:
     """torch's default thread count in a new process (this one's may have been set by another test)."""
     result = run_tool("python", "-c", "import torch; print(torch.get_num_threads())")
     return int(result.stdout)
+
+
+def test_footprint_measures_a_worker_per_level_against_its_plan(tiny_model, tmp_path):
+    out = tmp_path / "footprint.json"
+    result = run_tool(
+        "vlserve",
+        *("bench-footprint", "--model", str(tiny_model), "--levels", "none", "int8"),
+        *("--max-tokens", "4", "--image-size", "256x192", "--output", str(out)),
+        timeout=600,
+    )
+    data = json.loads(out.read_text())
+    # The tiny checkpoint fits every budget of the real model's plan: no miss, exit 0.
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [level["level"] for level in data["levels"]] == ["none", "int8"]
+    for level in data["levels"]:
+        plan = sizing.plan(data["facts"], sizing.Policy(quantize=level["level"], max_workers=1))
+        assert level["plan"] == budget_of(plan)
+        assert level["dtypes"]["prefill_dtype"] == plan["model"]["prefill_dtype"]
+        measured = level["measured"]
+        # A Python process with torch and a model: more than 100 MB, far less than the real model's budget.
+        assert all(1e8 < value < level["plan"]["high_bytes"] for value in measured.values()), measured
+        assert measured["serving_peak_bytes"] >= measured["served_bytes"]
+        assert level["settled_s"] >= level["ready_s"] > 0
+    assert "the plan's budget" in result.stdout
+    # A figure below its measurement is named, and makes the command fail.
+    short = dict(data["levels"][0], plan=dict(data["levels"][0]["plan"], load_peak_bytes=1))
+    assert misses(short) == [
+        "load_peak_bytes: plan 0.00 GB < measured %.2f GB (the load's peak)"
+        % (short["measured"]["load_peak_bytes"] / 1e9)
+    ]
 
 
 def test_compare_runs_naive_and_tuned_and_fills_every_figure(tiny_model, tmp_path):

@@ -72,7 +72,8 @@ class ModelSettings(BaseSettings):
     prefill_dtype: Literal[(AUTO, *FLOAT_DTYPES, *QUANTIZED_LEVELS)] = Field(
         "auto",
         description="dtype of prompt-sized products in a packed bfloat16 model; auto: bfloat16 where its "
-        "matrix products are the fast ones (AMX, AMD's AVX-512 BF16), else float32 (keeps a float32 copy of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8, in "
+        "matrix products are the fast ones (AMX, AMD's AVX-512 BF16), else float32 (keeps a float32 copy "
+        "of the decoder's linear layers, 5.6 GB for Qwen3-VL-2B); int8, in "
         "float32 models too: a Q8_0 copy (1.5 GB) multiplied by vlserve's kernels (about twice as fast, "
         "changes the numerics; chosen by auto at the int4 level)",
     )

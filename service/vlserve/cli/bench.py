@@ -1,5 +1,5 @@
 """The benchmarks: `bench`, `bench-compare`, `bench-peer`, `autotune`, `bench-decode`, `quant-check`,
-`bench-bandwidth`."""
+`bench-bandwidth`, `bench-footprint`."""
 
 from __future__ import annotations
 
@@ -203,6 +203,32 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_footprint(args: argparse.Namespace) -> int:
+    from vlserve.bench.footprint import FootprintOptions, bench_footprint, misses, render  # noqa: PLC0415
+    from vlserve.bench.workload import parse_size  # noqa: PLC0415
+    from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
+    from vlserve.model.loader import check_model_directory  # noqa: PLC0415
+
+    try:
+        check_model_directory(pathlib.Path(args.model))
+        size = parse_size(args.image_size)
+    except (ModelDirectoryError, ValueError) as error:
+        raise BadInput(str(error)) from None
+    say = (lambda message: print(message, file=sys.stderr)) if args.json else print
+    result = bench_footprint(
+        FootprintOptions(
+            model=pathlib.Path(args.model),
+            levels=tuple(args.levels),
+            image_size=size,
+            max_tokens=args.max_tokens,
+            say=say,
+        )
+    )
+    write_json(args.output, result)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 1 if any(misses(level) for level in result["levels"]) else 0
+
+
 def cmd_quant_check(args: argparse.Namespace) -> int:
     from vlserve.bench.quantcheck import CheckOptions, quant_check, render  # noqa: PLC0415
     from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
@@ -241,6 +267,7 @@ def add_commands(commands) -> None:
     _add_decode(commands)
     _add_check(commands)
     _add_bandwidth(commands)
+    _add_footprint(commands)
 
 
 def _add_bench(commands) -> None:
@@ -438,3 +465,18 @@ def _add_bandwidth(commands) -> None:
     bandwidth.add_argument("--buffer-bytes", type=int, help="buffer size (default: max(1 GiB, 4 x last-level cache))")
     bandwidth.add_argument("--json", action="store_true", help="print JSON")
     bandwidth.set_defaults(handler=cmd_bench_bandwidth)
+
+
+def _add_footprint(commands) -> None:
+    footprint = commands.add_parser(
+        "bench-footprint",
+        help="a worker's real memory at each quantize level (load peak, settled, serving a full batch) "
+        "against its plan's figures; exit 1 where a figure does not hold the measurement",
+    )
+    footprint.add_argument("--model", required=True, help="checkpoint directory (the real-size one)")
+    footprint.add_argument("--levels", nargs="+", choices=QUANTIZE_LEVELS, default=list(QUANTIZE_LEVELS))
+    footprint.add_argument("--image-size", default="1280x720", help="WxH of each request's photo (default: 1280x720)")
+    footprint.add_argument("--max-tokens", type=int, default=64, help="answer length (default: 64)")
+    footprint.add_argument("--json", action="store_true", help="print JSON")
+    footprint.add_argument("--output", metavar="FILE", help="also write the result as JSON to FILE")
+    footprint.set_defaults(handler=cmd_bench_footprint)

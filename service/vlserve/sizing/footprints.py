@@ -35,15 +35,17 @@ FOOTPRINTS = {
         tied_head_parameters=151_936 * 2048,
         vision_parameters=407_000_000,
         text_linear_parameters=28 * (2 * 2048 * 2048 + 2 * 1024 * 2048 + 3 * 2048 * 6144),
-        activation_bytes=GIB // 2,
-        runtime_bytes=GIB // 2,
+        activation_bytes=GIB * 3 // 4,
+        runtime_bytes=GIB * 6 // 10,
         provenance=(
-            "parameters and KV shape from the hub config (revision 89644892); bf16 RSS after load "
-            "measured at 4.4 GB for 4.26 GB of weights with torch 2.13.0+cpu (docs/model.md), so "
-            "0.5 GiB covers the runtime (Python, torch, tokenizer, HTTP); activations: 0.5 GiB "
-            "budget for a capped image through the vision tower and a batched prefill, an estimate "
-            "until the service measures its peak; in bfloat16 the service packs the output head "
-            "into its own copy for oneDNN (vlserve/model/packing.py), so the tied head counts twice"
+            "parameters and KV shape from the hub config (revision 89644892); measured by `vlserve "
+            "bench-footprint` (tests/fixtures/measured-footprints.json): beside its weights a worker "
+            "holds 0.48-0.55 GB up to settled, load peak included (Python, torch, tokenizer, HTTP), "
+            "so 0.6 GiB covers the runtime; a batch of four requests, each with a capped image, "
+            "leaves 0.55-0.59 GB more that the allocator keeps for the next batch, so 0.75 GiB for "
+            "activations (a full batch at the whole context is not measured yet); in bfloat16 the "
+            "service packs the output head into its own copy for oneDNN (vlserve/model/packing.py), "
+            "so the tied head counts twice"
         ),
     ),
 }
