@@ -215,6 +215,10 @@ def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(
     assert calls and set(calls) == {1}  # decode rows only: the 30-row prompt went to oneDNN
     own.settle()
     assert all(w.laid_out is not None and w.parts is None for w in weights.values())
+    # The tied output head reads the input embedding itself, copied out of the map once for both.
+    embedding = own.model.get_input_embeddings().weight
+    assert own.model.lm_head.stored.laid_out.data_ptr() == embedding.data_ptr()
+    assert own.model.lm_head.stored.nbytes == 0
     tokens, logits = _greedy_decode(own.model)
     assert tokens == expected
     assert torch.allclose(logits, expected_logits, rtol=0.05, atol=0.05 * float(expected_logits.abs().max()))
