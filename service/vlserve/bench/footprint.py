@@ -3,11 +3,13 @@
 For each quantize level, one worker started as this host's plan says (its environment and CPUs), its
 resident memory (anonymous and file-backed pages of its mapped weights alike, what its cgroup is
 charged) sampled from process start: the load's peak, the settled figure, then the peak while it
-serves the plan's batch of image requests at once, and what it holds after them. The prefix cache is
-off: its entries are keys and values the plan budgets as KV cache, and they would stay resident.
+serves the plan's batch of image requests at once, and what it holds after them. A first start
+comes before, to fill the weight cache where it was empty (rounding holds more, once per release
+and host: its peak is recorded apart). The prefix cache is off: its entries are keys and values the
+plan budgets as KV cache, and they would stay resident.
 
 The result (schema vlserve.footprint/1, with the facts the plans came from) is what
-tests/test_sizing_fixtures.py holds the sizing engine's footprints to: a recorded run lives in
+tests/test_sizing_fixtures.py holds the sizing engine's footprints to: recorded runs live in
 tests/fixtures/measured-footprints.json.
 """
 
@@ -60,6 +62,10 @@ def measure_level(options: FootprintOptions, facts: dict, level: str) -> dict:
     worker = plan["worker_list"][0]
     batch = plan["model"]["max_batch_size"]
     warm_page_cache(options.model)
+    # A first start, not measured against the plan: where the weight cache or the kernels are missing it
+    # rounds and builds them (once per release and host), which the starts after it do not.
+    (first,) = start_plan_workers(options.model, {"worker_list": [worker]})
+    first.stop()
     (server,) = start_plan_workers(options.model, {"worker_list": [worker]}, extra={"prefix_cache_bytes": "0"})
     try:
         pids = [server.process.pid]
@@ -87,6 +93,7 @@ def measure_level(options: FootprintOptions, facts: dict, level: str) -> dict:
         "level": level,
         "batch": batch,
         "dtypes": {key: plan["model"][key] for key in ("dtype", "vision_dtype", "prefill_dtype")},
+        "first_start": {"ready_s": first.ready_after_s, "peak_bytes": first.memory.peak_bytes},
         "ready_s": server.ready_after_s,
         "settled_s": server.settled_after_s,
         "measured": {
