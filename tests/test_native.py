@@ -25,7 +25,7 @@ from vlserve.kernels import native
 from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
 from vlserve.kernels.quantized import Int4Weight, Int8Weight
 from vlserve.kernels.reference import q8_reference
-from vlserve.model import attention, decoderops
+from vlserve.model import attention, decoderops, mapped
 from vlserve.model.loader import load_model
 from vlserve.model.weightcache import WeightCache
 from vlserve.settings import LimitSettings, ModelSettings
@@ -190,7 +190,8 @@ def _greedy_decode(model, steps: int = 16) -> tuple[list[int], torch.Tensor]:
 def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(tiny_model, monkeypatch):
     """Where the plan packs bfloat16 weights and the kernel loads, the exact level keeps them plain for
     it: its decode rows go through the kernel, prompts through oneDNN, and the greedy tokens are the
-    packed worker's, before its after-ready steps and after them (owned weights, no view of the map)."""
+    packed worker's. Its weights are multiplied where they lie in the checkpoint's map: nothing is
+    copied, and nothing is left to do after ready."""
     from vlserve.model.packing import NativeBf16Weight, PackedBf16Weight  # noqa: PLC0415
 
     def load(kernels: str):
@@ -213,12 +214,13 @@ def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(
         monkeypatch.setattr(weight, "op", lambda x, w, b, op=weight.op: (calls.append(x.shape[0]), op(x, w, b))[1])
     assert _greedy_decode(own.model)[0] == expected  # on views of the checkpoint
     assert calls and set(calls) == {1}  # decode rows only: the 30-row prompt went to oneDNN
-    own.settle()
-    assert all(w.laid_out is not None and w.parts is None for w in weights.values())
-    # The tied output head reads the input embedding itself, copied out of the map once for both.
+    assert (own.layout_steps, own.prefill_copies) == ([], [])  # settled as soon as ready
+    ranges = mapped.checkpoint_ranges()
+    parts = [part for weight in weights.values() for part in weight.parts]
+    assert ranges and all(any(low <= p.data_ptr() < high for low, high in ranges) for p in parts)
+    # The tied output head is the input embedding itself, in the map for both.
     embedding = own.model.get_input_embeddings().weight
-    assert own.model.lm_head.stored.laid_out.data_ptr() == embedding.data_ptr()
-    assert own.model.lm_head.stored.nbytes == 0
+    assert [p.data_ptr() for p in own.model.lm_head.stored.parts] == [embedding.data_ptr()]
     tokens, logits = _greedy_decode(own.model)
     assert tokens == expected
     assert torch.allclose(logits, expected_logits, rtol=0.05, atol=0.05 * float(expected_logits.abs().max()))

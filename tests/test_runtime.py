@@ -141,29 +141,32 @@ class Copy:
         self.log.append("dropped " + self.name)
 
 
-def test_background_work_runs_layouts_then_copies_then_the_map_one_step_at_a_time():
+def test_background_work_runs_layouts_then_copies_one_step_at_a_time():
     log = []
     work = BackgroundWork(
         [lambda: log.append("layout 1"), lambda: log.append("layout 2")],
         [Copy(log, "copy 1"), Copy(log, "copy 2")],
-        [lambda: log.append("map 1")],
         "float32",
     )
     counts = []
     while work.pending:
         counts.append(work.pending)
         work.step()
-    assert counts == [5, 4, 3, 2, 1]
-    assert log == ["layout 2", "layout 1", "copy 2", "copy 1", "map 1"]
+    assert counts == [4, 3, 2, 1]
+    assert log == ["layout 2", "layout 1", "copy 2", "copy 1"]
 
 
 def test_background_work_that_runs_out_of_memory_gives_up_its_kind_only():
     log = []
-    work = BackgroundWork([], [Copy(log, "copy 1"), Copy(log, "copy 2", fail=True)], [lambda: log.append("map")], None)
+
+    def layout_out_of_memory():
+        raise RuntimeError("out of memory")
+
+    work = BackgroundWork([layout_out_of_memory], [Copy(log, "copy 1"), Copy(log, "copy 2", fail=True)], None)
+    work.step()  # the failing layout: the layouts are given up, the copies still wait
+    assert log == [] and work.pending == 2
     work.step()  # the failing copy: every copy is given up, their sources dropped
-    assert log == ["dropped copy 1", "dropped copy 2"] and work.pending == 1
-    work.step()
-    assert log[-1] == "map" and work.pending == 0
+    assert log == ["dropped copy 1", "dropped copy 2"] and work.pending == 0
 
 
 # -- the model runner ------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from vlserve.kernels.native import Kernels
 from vlserve.kernels.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
 from vlserve.model import outliers, patches
 from vlserve.model.packing import (
-    checkpoint_copy_steps,
     convert_vision_tower,
     int8_prompt_copies_from,
     layout_steps,
@@ -130,7 +129,6 @@ class LoadedModel:
     eos_ids: set[int]
     layout_steps: list[Callable[[], None]] = field(default_factory=list)  # weights still in a plain layout
     prefill_copies: list = field(default_factory=list)  # layers still waiting for their prompt copy
-    map_copies: list[Callable[[], None]] = field(default_factory=list)  # tensors still in the checkpoint's map
 
     def settle(self) -> None:
         """Do now, in the engine's order, the work a worker does in the background after ready, so
@@ -139,9 +137,7 @@ class LoadedModel:
             step()
         for layer in self.prefill_copies:
             layer.make_prefill_copy()
-        for step in self.map_copies:
-            step()
-        self.layout_steps, self.prefill_copies, self.map_copies = [], [], []
+        self.layout_steps, self.prefill_copies = [], []
 
 
 @dataclass
@@ -154,7 +150,6 @@ class _Taken:
     packed: bool = False
     cached: bool = False  # a weight cache file backs this load: int8 prompt copies come from it
     prefill_copies: list = field(default_factory=list)
-    map_copies: list = field(default_factory=list)
 
 
 def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[str], None]) -> LoadedModel:
@@ -209,7 +204,6 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
                 level=level,
                 prepared=prepared,
                 channels=channels,
-                load_dtype=load_dtype,
                 status=status,
             )
         else:
@@ -219,7 +213,6 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
                 choices=choices,
                 prepared=prepared,
                 channels=channels,
-                load_dtype=load_dtype,
                 status=status,
             )
         if cache is not None:
@@ -254,7 +247,6 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         eos_ids=eos_ids,
         layout_steps=layout_steps(network),
         prefill_copies=taken.prefill_copies,
-        map_copies=taken.map_copies,
     )
 
 
@@ -281,7 +273,7 @@ def _without_int8_products(taken: _Taken, choices: LoadChoices) -> None:
         taken.prefill_dtype = choices.dtype if taken.prefill_dtype == "int8" else taken.prefill_dtype
 
 
-def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prepared, channels, load_dtype, status):
+def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prepared, channels, status):
     """The language model's linear layers rounded to `level` (int8 or int4), from the weight cache
     where it holds them."""
     status("quantizing the language model to %s" % level)
@@ -301,16 +293,16 @@ def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prep
     patches.decode_through_vlserve(network, taken.kernels)  # the norms and rotary in one call each, where loaded
     taken.prefill_dtype = copy or level
     _int8_prompt_copies(network, taken, prepared)
-    taken.map_copies = checkpoint_copy_steps(network, load_dtype)
     log.info("quantized %d linear layers to %s (prompts in %s)", count, level, taken.prefill_dtype)
 
 
-def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, load_dtype, status):
+def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, status):
     """The exact level: weights packed for oneDNN, taken by vlserve's bfloat16 product, or left as loaded.
 
     Where the plan packs bfloat16 weights and vlserve's own bfloat16 product loads, the weights stay
     plain for it instead: it decodes at the memory's speed where oneDNN's one-row products on AMX
-    swing (vlserve/kernels/native.py), and prompts still run on oneDNN. Same memory as packed."""
+    swing (vlserve/kernels/native.py), and prompts still run on oneDNN. Those weights are not even
+    copied: they are multiplied where they lie in the checkpoint's map (packing.NativeBf16Weight)."""
     own = choices.packed and network.dtype == torch.bfloat16 and taken.kernels.bf16_linear() is not None
     packed = not own and choices.packed and packing_supported(network.dtype)
     if choices.packed and not (packed or own):
@@ -334,7 +326,6 @@ def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, 
         if own:
             patches.decode_through_vlserve(network, taken.kernels)
         _int8_prompt_copies(network, taken, prepared)
-        taken.map_copies = checkpoint_copy_steps(network, load_dtype)
         how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
         log.info("%s %d linear layers (prompts in %s)", how, count, taken.prefill_dtype)
     else:

@@ -1,13 +1,14 @@
-"""Pages of the checkpoint's memory map handed back once a tensor has been copied out of it.
+"""Pages of the checkpoint's memory map handed back once a tensor has been converted out of it.
 
-The loader's tensors start as views of the safetensors files, mapped privately and never written, and
-the worker copies them out after ready (packing.py). The map is unmapped only when its last tensor
-goes, so until then every page read stays in the process's resident set beside its copy: a `none`
-worker peaked at 9.4 GB (4.3 GB of mapped file pages, 5.1 GB of copies) for 5.4 GB settled. Giving
-each tensor's pages back (`madvise(MADV_DONTNEED)`) as it is copied keeps the peak near the settled
-figure. The pages stay in the page cache (clean, shared with the host's other workers, the kernel's
-to reclaim), and a view read again later only faults them back in: nothing is lost, since a
-private file mapping that was never written holds exactly the file's bytes.
+The loader's tensors start as views of the safetensors files, mapped privately and never written;
+what a level serves as it is stays there (packing.py), what it converts (packed, rounded, a prompt
+copy) is made elsewhere. The map is unmapped only when its last tensor goes, so every page read stays
+in the process's resident set beside its conversion: a worker that copied its weights peaked at
+9.4 GB (4.3 GB of mapped file pages, 5.1 GB of copies) for 5.4 GB settled. Giving each source's pages
+back (`madvise(MADV_DONTNEED)`) once its conversion is made keeps the peak near the settled figure.
+The pages stay in the page cache (clean, shared with the host's other workers, the kernel's to
+reclaim), and a view read again later only faults them back in: nothing is lost, since a private
+file mapping that was never written holds exactly the file's bytes.
 
 Only whole pages inside a `.safetensors` file's private mapping are handed back, so anonymous memory
 (where MADV_DONTNEED would zero a tensor) is never touched.
@@ -78,26 +79,3 @@ def release(*tensors: torch.Tensor | None) -> int:
         else:  # not expected on a private file mapping; the pages just stay until the map closes
             log.debug("madvise(DONTNEED) failed: errno %d", ctypes.get_errno())
     return released
-
-
-CHUNK_BYTES = 32 << 20  # copied, then handed back, this much at a time
-
-
-def copy_out(*parts: torch.Tensor) -> torch.Tensor:
-    """The parts concatenated along their first dimension into fresh memory, each source's pages handed
-    back a chunk at a time as they are copied: the biggest tensor (the 0.6 GB embedding) is never
-    resident twice either."""
-    if parts[0].dim() == 0:
-        return parts[0].clone()
-    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
-    start = 0
-    for part in parts:
-        source = part.contiguous()
-        row_bytes = source[0].numel() * source.element_size() if source.shape[0] else 1
-        step = max(1, CHUNK_BYTES // max(1, row_bytes))
-        for first in range(0, source.shape[0], step):
-            rows = source[first : first + step]
-            out[start + first : start + first + rows.shape[0]].copy_(rows)
-            release(rows)
-        start += source.shape[0]
-    return out

@@ -18,12 +18,12 @@ A worker does not wait for the reorders: the loader builds the weights with `pre
 multiply from their plain layout (`F.linear` on views of the checkpoint) and `layout_steps` reorders
 them one per scheduler pass once it is ready (docs/service.md, "Ready first").
 
-Packing copies the weights out of the checkpoint's memory map; everything else is copied out too,
-after ready (`checkpoint_copy_steps`), and the map is released once that and any float32 prefill
-copies below are done. Each copy hands its source's pages back at once (vlserve/model/mapped.py),
-so resident memory counts each weight about once all along, not twice until the map closes. The tied output embedding
-gets its own packed copy (+0.6 GB for Qwen3-VL-2B); the input embedding keeps the plain one for
-lookups.
+Where vlserve's own bfloat16 product loads, the exact level skips all that: its weights are multiplied
+where they lie in the checkpoint's memory map (`NativeBf16Weight`), the fused groups as their members.
+Everything a level does not convert (the input embedding, norms, an unconverted vision tower) stays
+in the map too: the page cache is shared by a host's workers, and the worker is settled when it is
+ready. A weight that is converted (packed, rounded, a prompt copy) hands its source's pages back as
+it is made (vlserve/model/mapped.py), so resident memory counts each weight once all along.
 
 A prompt is the other kind of work: hundreds of rows at once, compute-bound. Without AMX, float32
 GEMMs beat the packed bfloat16 ones from about 48 rows on, so with `prefill_dtype=float32` each
@@ -81,10 +81,11 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
-class DeferredBf16Weight:
-    """A bfloat16 weight that starts as its checkpoint views (`parts`, one per fused member) and gets
-    its kernel's layout (`lay_out`) from `finish_layout`: at once, or with `prepack=False` in the
-    worker's after-ready steps (`layout_steps`), multiplying from the views until then."""
+class PackedBf16Weight:
+    """A bfloat16 weight in oneDNN's blocked layout: same math, same outputs as `F.linear`. It starts as
+    its checkpoint views (`parts`, one per fused member) and is reordered by `finish_layout`: at once,
+    or with `prepack=False` in the worker's after-ready steps (`layout_steps`; 3-4 s for the whole
+    model here), multiplying its parts with `F.linear` until then."""
 
     dtype = torch.bfloat16
 
@@ -92,102 +93,68 @@ class DeferredBf16Weight:
         self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None, *, prepack: bool = True
     ):
         self.parts: list[torch.Tensor] | None = [w.detach() for w in (weight if isinstance(weight, list) else [weight])]
-        self.laid_out: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
         self.bias = None if bias is None else bias.detach().clone()
         if prepack:
             self.finish_layout()
 
-    def lay_out(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
     @property
     def layout_pending(self) -> bool:
-        return self.laid_out is None
+        return self.packed is None
 
     def finish_layout(self) -> None:
-        if self.laid_out is None:
-            parts, self.laid_out = self.parts, self.lay_out(self.parts)
+        if self.packed is None:
+            parts, self.packed = self.parts, _pack(whole(self.parts))
             self.parts = None
             mapped.release(*parts)
 
     @property
     def nbytes(self) -> int:
-        stored = [self.laid_out] if self.laid_out is not None else self.parts
+        stored = [self.packed] if self.packed is not None else self.parts
         return sum(t.nbytes for t in stored) + (0 if self.bias is None else self.bias.nbytes)
 
-
-class PackedBf16Weight(DeferredBf16Weight):
-    """A bfloat16 weight in oneDNN's blocked layout: same math, same outputs as `F.linear`. Deferred,
-    it multiplies its parts with `F.linear` until the reorder (3-4 s for the whole model here)."""
-
-    def lay_out(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return _pack(whole(parts))
-
-    @property
-    def packed(self) -> torch.Tensor | None:
-        return self.laid_out
-
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.laid_out is not None:
-            return torch.ops.mkldnn._linear_pointwise(rows, self.laid_out, self.bias, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         out = torch.cat([torch.nn.functional.linear(rows, part) for part in self.parts], dim=-1)
         return out if self.bias is None else out.add_(self.bias)
 
 
-class NativeBf16Weight(DeferredBf16Weight, KernelBound):
-    """A bfloat16 weight in its plain (out, in) layout whose decode steps (1-4 rows) go through
-    vlserve's own AVX-512 BF16 product (vlserve.kernels.native), prompts through `F.linear` (oneDNN: AMX where
-    the CPU has it). On AMX CPUs oneDNN's one-row products on the packed layout swing between about
-    9 and 20 GB/s; the own product holds the memory's speed (vlserve/kernels/native.py has the figures).
-    Laid out, it is one owned matrix (fused members concatenated), out of the checkpoint's map."""
+class NativeBf16Weight(KernelBound):
+    """A bfloat16 weight multiplied where it lies, in the checkpoint's memory map: decode steps (1-4 rows)
+    through vlserve's own AVX-512 BF16 product (vlserve.kernels.native), prompts through `F.linear`
+    (oneDNN: AMX where the CPU has it). On AMX CPUs oneDNN's one-row products on the packed layout
+    swing between about 9 and 20 GB/s; the own product holds the memory's speed (vlserve/kernels/native.py
+    has the figures).
 
-    def __init__(
-        self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None, *, prepack: bool = True
-    ):
+    Its layout is the checkpoint's own (out, in), so nothing is copied: no fused matrix either, each
+    member of a fused group (`parts`) is its own product. Copying the exact level's 4 GB into fresh
+    anonymous memory took 16-26 s after ready on this project's 2-vCPU EPYC (first-touch faults), while
+    the mapped parts decode as fast (TPOT median 87.6 ms over 7 starts against 91.5 copied, interleaved,
+    the page cache mapped in 2 MiB pages), are shared by a host's workers and make a worker settled as
+    soon as it is ready. A tied output head is the input embedding itself, no copy either."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None):
         self.op = self.kernels.bf16_linear()
         if self.op is None:
             raise RuntimeError("vlserve's bfloat16 product is not loaded")
-        inputs = (weight[0] if isinstance(weight, list) else weight).shape[1]
-        self.native_rows = native.MAX_ROWS if inputs % native.BF16_INPUT_MULTIPLE == 0 else 0
-        super().__init__(weight, bias, prepack=prepack)
-
-    def lay_out(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return mapped.copy_out(*parts)
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        weights = [self.laid_out] if self.laid_out is not None else self.parts
-        if rows.shape[0] <= self.native_rows and rows.dtype == torch.bfloat16:
-            outs = [self.op(rows, weight, None) for weight in weights]
-        else:
-            outs = [torch.nn.functional.linear(rows, weight) for weight in weights]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return out if self.bias is None else out.add_(self.bias)
-
-
-class TiedNativeBf16Weight(NativeBf16Weight):
-    """The output head tied to the input embedding, for vlserve's bfloat16 product: the plain (out, in)
-    layout that product reads is the embedding's own (vocab, hidden), so the head multiplies the
-    embedding parameter's current tensor (a view of the checkpoint's map until the map copies, then
-    that copy) and holds none of its own: 0.62 GB less for Qwen3-VL-2B than a copy of its own."""
-
-    def __init__(self, parameter: torch.nn.Parameter, bias: torch.Tensor | None = None, *, prepack: bool = True):
-        self.op = self.kernels.bf16_linear()
-        if self.op is None:
-            raise RuntimeError("vlserve's bfloat16 product is not loaded")
-        self.native_rows = native.MAX_ROWS if parameter.shape[1] % native.BF16_INPUT_MULTIPLE == 0 else 0
-        self.parameter, self.parts = parameter, None
+        self.parts = [w.detach() for w in (weight if isinstance(weight, list) else [weight])]
+        self.native_rows = native.MAX_ROWS if self.parts[0].shape[1] % native.BF16_INPUT_MULTIPLE == 0 else 0
         self.bias = None if bias is None else bias.detach().clone()
 
     @property
-    def laid_out(self) -> torch.Tensor:
-        return self.parameter.detach()
-
-    def finish_layout(self) -> None:
-        pass  # nothing to lay out: the embedding's layout is the product's
-
-    @property
     def nbytes(self) -> int:
-        return 0 if self.bias is None else self.bias.nbytes  # the weight is the embedding's, counted there
+        return sum(t.nbytes for t in self.parts) + (0 if self.bias is None else self.bias.nbytes)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] <= self.native_rows and rows.dtype == torch.bfloat16:
+            outs = [self.op(rows, part, None) for part in self.parts]
+        else:
+            outs = [torch.nn.functional.linear(rows, part) for part in self.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class PlainWeight:
@@ -295,7 +262,8 @@ class PackedLinear(torch.nn.Module):
             self.prefill_bias = None if bias is None else bias.to(dtype)
             self.prefill_weight = weight.to(dtype)  # set last: forward() tests this one
         self._prefill_source = None
-        mapped.release(weight, bias)
+        if not isinstance(self.stored, NativeBf16Weight):  # else its decode steps still read these pages
+            mapped.release(weight, bias)
 
     def drop_prefill_source(self) -> None:
         """Give up on the copy (prompts keep running on the packed weight) and release the view."""
@@ -419,8 +387,6 @@ def pack_language_model(
                 count += 1
     if head_weight is None:
         return count
-    if native and level == "none" and model.lm_head.weight is model.get_input_embeddings().weight:
-        head_weight = TiedNativeBf16Weight.on(kernels)  # no copy: the embedding is laid out as the product reads
     model.lm_head = PackedLinear(model.lm_head, maker(head_weight, "lm_head"))
     return count + 1
 
@@ -471,33 +437,6 @@ def int8_prompt_copies_from(model: torch.nn.Module, prepared) -> int:
         if getattr(module, "prefill_copy_pending", False) and module.prefill_copy_dtype == torch.int8:
             module.make_prefill_copy(prepared, "%s.prompt" % name)
     return prepared.taken - taken
-
-
-def checkpoint_copy_steps(model: torch.nn.Module, checkpoint_dtype: torch.dtype) -> list[Callable[[], None]]:
-    """One step per parameter or buffer still in the safetensors memory map, each copying it out.
-
-    Once they have run (and the prefill copies, whose sources are views of the map, are made) the
-    map can close and resident memory counts each weight once. The engine runs them after ready, one
-    per scheduler pass, as it does the prefill copies: the biggest, the input embedding, is 0.6 GB
-    of fresh memory, 0.5-1.6 s on this project's VMs.
-    """
-    steps: list[Callable[[], None]] = []
-
-    def copy_parameter(parameter: torch.nn.Parameter) -> None:
-        with torch.no_grad():
-            parameter.data = mapped.copy_out(parameter.data)
-
-    def copy_buffer(module: torch.nn.Module, name: str) -> None:
-        module._buffers[name] = mapped.copy_out(module._buffers[name])
-
-    for parameter in model.parameters():
-        if parameter.dtype == checkpoint_dtype:  # a tensor converted to another dtype is a copy already
-            steps.append(functools.partial(copy_parameter, parameter))
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None:
-                steps.append(functools.partial(copy_buffer, module, name))
-    return steps
 
 
 def quantize_vision_tower(

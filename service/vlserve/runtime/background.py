@@ -1,11 +1,11 @@
 """The work a ready worker still does between requests, one step per scheduler pass: weights into
-their kernels' layout, the prompt copies of the decoder's layers, then copies out of the
-checkpoint's memory map. Each step is 10-60 ms, so a request never waits long for one; a step that
-runs out of memory ends its kind of work (slower, never wrong)."""
+their kernels' layout, then the prompt copies of the decoder's layers (what the weight cache does not
+hold; vlserve/model/packing.py). Each step is 10-60 ms, so a request never waits long for one; a step
+that runs out of memory ends its kind of work (slower, never wrong). What no level converts stays in
+the checkpoint's memory map for good: nothing is copied out of it just to own it."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -18,19 +18,17 @@ class BackgroundWork:
         self,
         layout_steps: list[Callable[[], None]],
         prefill_copies: list,
-        map_copies: list[Callable[[], None]],
         prefill_dtype: str | None,
     ):
         self.layout_steps = layout_steps  # first, weights still in a plain layout (packing.py)
         self.prefill_copies = prefill_copies  # layers still waiting for their prompt copy (packing.py, quantized.py)
-        self.map_copies = map_copies  # then the tensors still in the checkpoint's memory map
         self.prefill_dtype = prefill_dtype
         self._layouts_started: float | None = None
         self._copies_started: float | None = None
 
     @property
     def pending(self) -> int:
-        return len(self.layout_steps) + len(self.prefill_copies) + len(self.map_copies)
+        return len(self.layout_steps) + len(self.prefill_copies)
 
     def step(self) -> None:
         """One step of whichever work comes first."""
@@ -38,8 +36,6 @@ class BackgroundWork:
             self._finish_a_layout()
         elif self.prefill_copies:
             self._make_prefill_copy()
-        elif self.map_copies:
-            self._copy_out_of_the_map()
 
     def _finish_a_layout(self) -> None:
         """One weight into its kernel's layout (20-60 ms each): decode steps reach full speed."""
@@ -74,15 +70,3 @@ class BackgroundWork:
                 self.prefill_dtype,
                 time.monotonic() - self._copies_started,
             )
-
-    def _copy_out_of_the_map(self) -> None:
-        try:
-            self.map_copies[-1]()
-            self.map_copies.pop()
-        except RuntimeError as error:  # out of memory: the rest stays mapped, which is slower to free, not wrong
-            log.error("leaving the checkpoint mapped: %s", error)
-            self.map_copies = []
-            return
-        if not self.map_copies:
-            gc.collect()
-            log.info("the checkpoint's memory map is released")

@@ -36,7 +36,7 @@ from vlserve.model.loader import LoadChoices, LoadedModel, check_model_directory
 from vlserve.runtime.background import BackgroundWork
 from vlserve.runtime.caches import LRUCache
 from vlserve.runtime.images import ImageInput
-from vlserve.runtime.metrics import Metrics, anonymous_memory
+from vlserve.runtime.metrics import Metrics, resident_memory
 from vlserve.runtime.prefixcache import PrefixCache
 from vlserve.runtime.prompts import build_prompt, image_tokens_only, resolve_max_tokens
 from vlserve.runtime.requests import Prompt, Sequence, Sink, WaitingSink
@@ -60,7 +60,7 @@ class Engine:
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=feature_bytes)
         self.prefix_cache = PrefixCache(0)  # sized at load, once the model's key/value shape is known
         self.scheduler = Scheduler(limits, self.metrics)
-        self.background = BackgroundWork([], [], [], None)
+        self.background = BackgroundWork([], [], None)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._memory_limit = limits.memory_limit_bytes if limits.memory_limit_bytes else _cgroup_memory_limit()
@@ -131,9 +131,7 @@ class Engine:
 
     def _load_model(self, status: Callable[[str], None]) -> None:
         loaded = load_model(self.model_settings, self.limits, status)
-        self.background = BackgroundWork(
-            loaded.layout_steps, loaded.prefill_copies, loaded.map_copies, loaded.choices.prefill_dtype
-        )
+        self.background = BackgroundWork(loaded.layout_steps, loaded.prefill_copies, loaded.choices.prefill_dtype)
         budget = planned_kv_cache(loaded.model.config.text_config, loaded.choices.dtype, self.limits)
         self.prefix_cache = PrefixCache(budget, self.limits.prefix_cache_bytes)
         runner = ModelRunner(
@@ -257,10 +255,10 @@ class Engine:
         )
         if seq.use_result_cache and answer_from_cache(seq, self.result_cache, self.metrics):
             return seq
-        held = anonymous_memory(self._process)
+        held = resident_memory(self._process)
         if self._memory_limit and held > self._memory_limit and not warmup and self.prefix_cache.cost:
             self.prefix_cache.clear()  # stored prefixes go before any request is refused
-            held = anonymous_memory(self._process)
+            held = resident_memory(self._process)
         if self._memory_limit and held > self._memory_limit and not warmup:
             raise MemoryPressure(
                 "resident memory %.1f GiB is over the limit of %.1f GiB; try again shortly"

@@ -85,13 +85,13 @@ class Metrics:
         self.resident_memory = Gauge(
             "vlserve_resident_memory_bytes", "Resident memory of this worker", registry=registry
         )
-        self.resident_memory.set_function(lambda: psutil.Process().memory_info().rss)
+        process = psutil.Process()
+        self.resident_memory.set_function(lambda: resident_memory(process))
         self.anonymous_memory = Gauge(
             "vlserve_anonymous_memory_bytes",
-            "Resident memory less file-backed pages: what the memory guard compares with its limit",
+            "Resident memory less file-backed pages (the mapped weights)",
             registry=registry,
         )
-        process = psutil.Process()
         self.anonymous_memory.set_function(lambda: anonymous_memory(process))
         self.ready = Gauge("vlserve_ready", "1 once the model is loaded and warmed up", registry=registry)
         self.own_kernels = self._alert_gauges(registry)
@@ -200,7 +200,7 @@ class Metrics:
                 for cache in hits
             },
             "generated_tokens": int(value("vlserve_generated_tokens_total")),
-            "resident_memory_bytes": process.memory_info().rss,
+            "resident_memory_bytes": resident_memory(process),
             "anonymous_memory_bytes": anonymous_memory(process),
         }
 
@@ -256,11 +256,17 @@ def certificate_end(path: str) -> float:
     return float("nan") if end is None else float(end)
 
 
-def anonymous_memory(process: psutil.Process) -> int:
-    """Resident memory the kernel cannot just drop: RSS less its file-backed pages.
+def resident_memory(process: psutil.Process) -> int:
+    """What the memory guard counts: every resident page, the mapped weights' file pages included.
 
-    The memory guard counts this, not RSS: pages of the checkpoint's memory map (held until the prefill
-    copies are made, see packing.py) are clean page cache that reclaim takes back for free.
-    """
+    Those are page cache, but not free to reclaim: the exact level multiplies its weights where they
+    lie in the checkpoint's map and the quantized ones in the weight cache's (vlserve/model/packing.py),
+    so a page the kernel takes back is read from disk again at the next decode step. The plan's
+    MemoryHigh counts them as the worker's own, and the cgroup is charged for them."""
+    return process.memory_info().rss
+
+
+def anonymous_memory(process: psutil.Process) -> int:
+    """Resident memory less its file-backed pages: what the worker holds beside its mapped weights."""
     info = process.memory_info()
     return info.rss - info.shared
