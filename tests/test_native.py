@@ -21,7 +21,7 @@ from transformers.models.qwen3_vl import modeling_qwen3_vl
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
 from conftest import NATIVE_KERNELS, VENV_BIN, run_tool
-from vlserve.kernels import native
+from vlserve.kernels import native, reference
 from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
 from vlserve.kernels.quantized import Int4Weight, Int8Weight
 from vlserve.kernels.reference import q8_reference
@@ -37,6 +37,7 @@ needs_tier = pytest.mark.skipif(TIER is None, reason="no kernel tier runs here: 
 needs_avx512 = pytest.mark.skipif(TIER != "avx512_vnni", reason="the op needs the AVX-512 VNNI tier: %s" % TIER_WHY)
 HAS_BF16 = TIER == "avx512_vnni" and native.BF16_FLAG in (native._cpu_flags() or [])
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="the bfloat16 kernel needs AVX-512 VNNI and BF16")
+SERVES_PROMPTS = HAS_BF16 and native.AMX_FLAG not in (native._cpu_flags() or [])
 
 
 @pytest.fixture
@@ -349,7 +350,7 @@ def test_torch_held_to_avx2_loads_the_avx2_tier(tmp_path):
     script = textwrap.dedent(
         """
         import pathlib, sys
-        from vlserve.kernels import native
+        from vlserve.kernels import native, reference
         kernels = native.load(pathlib.Path(sys.argv[1]))
         print(kernels.status)
         print(kernels.tier, kernels.int4_linear() is None, kernels.one_query_attention() is None)
@@ -597,6 +598,91 @@ def test_the_attention_op_refuses_what_it_does_not_take(ops):
         ops.one_query_attention(query, key.transpose(2, 3).contiguous().transpose(2, 3), key, None, 1.0)
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
         ops.one_query_attention(query, key.bfloat16(), key, None, 1.0)
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    ("shape", "dim", "mask_kind"),
+    # An image's patches (16 heads of 64 a key head, no mask), a causal prompt, a batch whose second
+    # row is left-padded (its first queries attend to nothing), an additive mask, a prompt after a
+    # stored prefix (fewer queries than keys); tokens not a multiple of the op's blocks.
+    [
+        ((1, (16, 16), 45, 45), 64, None),
+        ((1, (16, 8), 37, 37), 128, "causal"),
+        ((2, (16, 8), 21, 21), 128, "padded"),
+        ((2, (4, 2), 19, 19), 64, "add"),
+        ((2, (16, 8), 9, 40), 128, "prefix"),
+    ],
+)
+def test_the_prompt_attention_op_is_its_reference_within_its_rounding(ops, shape, dim, mask_kind):
+    """Queries as the vision tower hands them (a transposed view), keys and values as views of a
+    cache with headroom. Its float32 sums add in another order: where that moves a bfloat16 rounding, by one unit."""
+    batch, heads, queries, tokens = shape
+    torch.manual_seed(tokens)
+    query_heads, key_heads = heads
+    query = torch.randn(batch, queries, query_heads, dim).bfloat16().transpose(1, 2)
+    key = torch.randn(batch, key_heads, tokens + 16, dim).bfloat16()[:, :, :tokens]
+    value = torch.randn(batch, key_heads, tokens + 16, dim).bfloat16()[:, :, :tokens]
+    mask = None
+    if mask_kind in {"causal", "padded", "prefix"}:
+        mask = torch.ones(queries, tokens, dtype=torch.bool).tril(tokens - queries).expand(batch, 1, -1, -1).clone()
+        if mask_kind == "padded":
+            mask[1, ..., :6] = False
+    elif mask_kind == "add":
+        mask = torch.randn(batch, 1, queries, tokens)
+        mask[0, ..., :3] = float("-inf")
+    expected = reference.prompt_attention(query, key, value, mask, scaling=dim**-0.5)
+    got = ops.prompt_attention(query, key, value, mask, dim**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (batch, queries, query_heads, dim)
+    assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
+    assert (got == expected).float().mean() > 0.98
+    if mask_kind == "padded":  # queries with nothing to attend to: zeros, not NaN
+        assert torch.equal(got[1, :6].float(), torch.zeros(6, query_heads, dim))
+    if mask_kind != "padded":  # where every query attends, torch's own attention agrees too
+        stock = torch.nn.functional.scaled_dot_product_attention(
+            query.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True
+        ).transpose(1, 2)
+        assert torch.allclose(got.float(), stock, rtol=2**-6, atol=2**-6 * float(stock.abs().max()))
+
+
+@needs_bf16
+def test_the_prompt_attention_op_refuses_what_it_does_not_take(ops):
+    query, key = torch.randn(1, 4, 3, 64).bfloat16(), torch.randn(1, 2, 5, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 64 and contiguous"):
+        ops.prompt_attention(query[..., :32], key[..., :32], key[..., :32], None, 1.0)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        ops.prompt_attention(query.float(), key.float(), key.float(), None, 1.0)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        ops.prompt_attention(query, key, key, torch.ones(1, 1, 3, 4, dtype=torch.bool), 1.0)
+
+
+@pytest.mark.skipif(not SERVES_PROMPTS, reason="the prompt attention op serves AVX-512 BF16 CPUs without AMX")
+@pytest.mark.parametrize("mask_kind", [None, "padded"])
+def test_prompts_attend_through_the_op_where_it_is_loaded_as_sdpa_would(loaded, mask_kind):
+    """transformers' reading of the arguments is kept: no mask on a causal layer is a causal mask,
+    a boolean mask is taken as it is; float32 stays with sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+
+    calls = []
+    op = loaded.prompt_attention()
+    counting = dataclasses.replace(loaded)
+    object.__setattr__(counting, "prompt_attention", lambda: lambda *args: calls.append(args) or op(*args))
+    torch.manual_seed(3)
+    query = torch.randn(2, 16, 12, 128).bfloat16()
+    key, value = torch.randn(2, 8, 12, 128).bfloat16(), torch.randn(2, 8, 12, 128).bfloat16()
+    mask = None
+    if mask_kind == "padded":
+        mask = torch.ones(12, 12, dtype=torch.bool).tril().expand(2, 1, 12, 12).clone()
+        mask[1, ..., :2] = False
+        mask[1, :, :2, 0] = True  # sdpa would give NaN to a query with nothing to attend to
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 2, True
+    out, _ = attention.attention(layer, query, key, value, mask, kernels=counting)
+    expected, _ = sdpa_attention_forward(layer, query.float(), key.float(), value.float(), mask)
+    assert len(calls) == 1 and out.shape == (2, 12, 16, 128)
+    assert torch.allclose(out.float(), expected, rtol=2**-6, atol=2**-6 * float(expected.abs().max()))
+    attention.attention(layer, query.float(), key.float(), value.float(), mask, kernels=counting)  # float32: sdpa
+    assert len(calls) == 1
 
 
 @needs_avx512

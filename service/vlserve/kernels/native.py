@@ -6,7 +6,8 @@ Two ISA tiers, picked from the CPU and torch's view of it (ATEN_CPU_CAPABILITY h
   times integer weights at about the speed the weights stream from memory) and the int8 product runs
   prompts and images too; the exact level decodes its bfloat16 weights through bf16_linear where the
   CPU has AVX-512 BF16 (on AMX CPUs oneDNN's one-row bfloat16 products swing between about 9 and 20
-  GB/s, this one holds 19-20 GB/s); the decoder's norm, rotary and one-query attention in one call each.
+  GB/s, this one holds 19-20 GB/s); the decoder's norm, rotary and one-query attention in one call each;
+  with AVX-512 BF16 too, the attention of prompts and images in bfloat16 (kernels/prompt_attention.cpp).
 - `avx2` (AVX2, FMA and F16C: every x86-64 server CPU since 2013, and AVX-512 CPUs without VNNI):
   the int8 product (kernels/q8.cpp, equal to the AVX-512 one bit for bit), the norm and the rotary.
   int4 weights go through torch's int4 kernel there, attention through vlserve.model.attention's Python path.
@@ -60,7 +61,7 @@ from vlserve.sizing.contract import KERNELS_OWN, KERNELS_STOCK
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent  # the C++ sources sit beside this module
-SOURCES = (KERNELS / "decode_vnni.cpp", KERNELS / "q8.cpp")
+SOURCES = (KERNELS / "decode_vnni.cpp", KERNELS / "q8.cpp", KERNELS / "prompt_attention.cpp")
 MAX_ROWS = 4  # bf16_linear's rows per call: decode batches up to four; more rows go to oneDNN
 # The ISA tiers, best first: the CPU flags each needs (as /proc/cpuinfo spells them) and the torch CPU
 # capabilities that allow it (ATEN_CPU_CAPABILITY=avx2 holds an AVX-512 CPU to the avx2 tier).
@@ -71,7 +72,11 @@ TIERS = {
 }
 TIER_NAMES = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2"}
 BF16_FLAG = "avx512_bf16"  # bf16_linear's vdpbf16ps, beyond the avx512_vnni tier's flags
+# With AMX, torch's flash attention multiplies bfloat16 prompts on its tiles (prompt_attention's
+# vdpbf16ps is not measured against them): there prompts and images keep sdpa.
+AMX_FLAG = "amx_bf16"
 BF16_INPUT_MULTIPLE = 32  # its inputs per vdpbf16ps
+PROMPT_ATTENTION_DIM_MULTIPLE = 64  # prompt_attention's head dimension: four vectors of its output tile
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
 BUILD_TIMEOUT_S = 600
 BUILD_RECORD = "build.json"  # what `vlserve kernels` found, beside the builds: the deploy role reads it
@@ -279,6 +284,18 @@ def _check_bf16(ops, generator: torch.Generator) -> None:
                 raise NativeUnavailable(
                     "its bfloat16 check differs from the reference by %.3g" % (got - expected).abs().max()
                 )
+    # Prompt attention: two query heads a key head, queries in a transposed view (as the vision tower
+    # hands them), a left-padded row whose first queries attend to nothing.
+    query = torch.randn(2, 21, 4, 64, generator=generator).bfloat16().transpose(1, 2)
+    key, value = (torch.randn(2, 2, 21, 64, generator=generator).bfloat16() for _ in range(2))
+    mask = torch.ones(21, 21, dtype=torch.bool).tril().expand(2, 1, 21, 21).clone()
+    mask[1, ..., :5] = False
+    expected = reference.prompt_attention(query, key, value, mask, scaling=0.125).float()
+    got = ops.prompt_attention(query, key, value, mask, 0.125).float()
+    if not torch.allclose(got, expected, rtol=2**-7, atol=1e-3):
+        raise NativeUnavailable(
+            "its prompt attention check differs from the reference by %.3g" % (got - expected).abs().max()
+        )
 
 
 def _check_decoder_ops(ops, generator: torch.Generator, attention_op: bool) -> None:
@@ -334,6 +351,7 @@ class Kernels:
     ops: Any = None
     tier: str | None = None  # the ISA tier whose ops are loaded
     bf16: bool = False  # the CPU runs bf16_linear (AVX-512 BF16)
+    prompts: bool = False  # prompt_attention serves bfloat16 prompts and images (AVX-512 BF16, no AMX)
     status: str = STOCK  # as /readyz and /status show it
 
     def q8_linear(self):
@@ -348,6 +366,14 @@ class Kernels:
         """The bfloat16 op where the CPU runs it, or None: (rows <= MAX_ROWS, in) bfloat16 x (out, in)
         bfloat16, bias or None -> (rows, out) bfloat16; `in` a multiple of BF16_INPUT_MULTIPLE."""
         return None if self.ops is None or not self.bf16 else self.ops.bf16_linear
+
+    def prompt_attention(self):
+        """The attention op for many queries where it serves them (`prompts`), or None: q (batch,
+        heads, queries, dim), key and value (batch, kv_heads, tokens, dim), bfloat16 with a contiguous
+        last dimension, dim a multiple of PROMPT_ATTENTION_DIM_MULTIPLE; mask None, boolean or float32
+        (4 dims, broadcastable, contiguous along the tokens), scale -> (batch, queries, heads, dim) as
+        reference.prompt_attention computes it."""
+        return self.ops.prompt_attention if self.prompts else None
 
     def int4_linear(self):
         """The int4 op (avx512_vnni tier), or None: (rows, in) float32 or bfloat16 x blocks
@@ -436,4 +462,5 @@ def _load(root: Path | None, build_missing: bool = True) -> Kernels:
         path,
     )
     log.info("native kernels: %s", status)
-    return Kernels(ops=ops, tier=tier, bf16=bf16, status=status)
+    prompts = bf16 and AMX_FLAG not in (_cpu_flags() or [])
+    return Kernels(ops=ops, tier=tier, bf16=bf16, prompts=prompts, status=status)

@@ -50,3 +50,20 @@ def one_query_attention(
         scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     return torch.matmul(weights, value).reshape(batch, 1, heads, dim)
+
+
+def prompt_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scaling: float | None
+) -> torch.Tensor:
+    """Many queries: (B, H, Q, D) over (B, KV, T, D) -> (B, Q, H, D), rounded as kernels/prompt_attention.cpp
+    rounds: float32 scores (exact products, summed here in float64), float32 softmax, probabilities
+    rounded to the values' dtype, their products with the values summed (float64 here) and rounded
+    to it. `mask` as sdpa takes it, broadcastable to (B, H, Q, T); a query with no key to attend to gets zeros."""
+    group = query.shape[1] // key.shape[1]
+    key, value = (tensor.repeat_interleave(group, dim=1) for tensor in (key, value))
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = (query.double() @ key.double().transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(value.dtype)  # NaN: every key masked
+    return (weights.double() @ value.double()).to(value.dtype).transpose(1, 2).contiguous()

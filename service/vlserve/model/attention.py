@@ -1,16 +1,21 @@
-"""The language model's attention: torch's `sdpa`, except for a decode step in bfloat16.
+"""The model's attention: torch's `sdpa`, except where the queries are bfloat16 and vlserve's ops run.
 
-At one query per sequence, torch 2.13's CPU flash-attention kernel (what `sdpa` runs for bfloat16)
-repacks the whole key/value cache for its bfloat16 matrix kernel at every call. Measured here (2
-threads, Qwen3-VL-2B's 16 query heads over 8 key/value heads of 128): 420 us per layer for one
-sequence over 300 cached tokens, 1.4 ms over 1000, 1.7 ms for four sequences over 300: 12 ms of a
-65 ms int4 decode step. The same attention as two matrix products takes 98, 161 and 198 us. Its
-float32 path does not repack (43 us over 300), so float32 models and prompts keep `sdpa`.
+A decode step (one query per sequence): torch 2.13's CPU flash-attention kernel (what `sdpa` runs
+for bfloat16) repacks the whole key/value cache for its bfloat16 matrix kernel at every call.
+Measured here (2 threads, Qwen3-VL-2B's 16 query heads over 8 key/value heads of 128): 420 us per
+layer for one sequence over 300 cached tokens, 1.4 ms over 1000, 1.7 ms for four sequences over
+300: 12 ms of a 65 ms int4 decode step. The same attention as two matrix products takes 98, 161 and
+198 us. Its float32 path does not repack (43 us over 300), so float32 models and prompts keep `sdpa`.
+Where vlserve's library is loaded (vlserve.kernels.native: AVX-512 hosts), the same computation runs
+as one op that reads the bfloat16 keys and values where they lie (no widened copy), equal to the
+Python path here within a unit of bfloat16 (its float32 sums add in another order, which may move a
+rounding; most values are equal bit for bit: tests/test_native.py).
 
-Where vlserve's library is loaded (vlserve.kernels.native: the quantized levels on AVX-512 hosts), the same
-computation runs as one op that reads the bfloat16 keys and values where they lie (no widened copy),
-equal to the Python path here within a unit of bfloat16 (its float32 sums add in another order,
-which may move a rounding; most values are equal bit for bit: tests/test_native.py).
+A prompt or an image (many queries): on CPUs without AMX the flash kernel multiplies in float32, so
+where the CPU runs bfloat16 products (AVX-512 BF16) kernels/prompt_attention.cpp does: a vision
+layer's 720 patches (16 heads of 64) took 4.2 ms against sdpa's 13.6 on a 2-vCPU Zen 5, a
+220-token prompt's layer 1.2 against 2.6. The language model and the vision tower both attend
+through here (model/patches.py); float32 towers keep `sdpa`.
 
 Rounding as the flash kernel rounds: scores are float32 products (a bfloat16 product would round
 each score to 8 bits of mantissa; the keys are widened to float32, a chunk of the batch at a time so
@@ -26,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from vlserve.kernels import native
 from vlserve.kernels.reference import one_query_attention
 
-NAME = "vlserve"  # what the text model's config names as its attention implementation
+NAME = "vlserve"  # what the model's configs name as their attention implementation
 
 
 def attention(
@@ -44,11 +49,40 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query (B, H, Q, D), key/value (B, KV, T, D) -> (B, Q, H, D);
     `kernels` bound at registration (model/patches.py)."""
-    if query.shape[2] != 1 or query.dtype == torch.float32 or dropout or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    op = kernels.one_query_attention()
-    if op is not None and key.stride(-1) == value.stride(-1) == query.stride(-1) == 1 and query.shape[-1] % 16 == 0:
-        return op(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling), None
-    return one_query_attention(query, key, value, attention_mask, scaling=scaling), None
+    if query.dtype != torch.float32 and not dropout and kwargs.get("position_bias") is None:
+        contiguous = key.stride(-1) == value.stride(-1) == query.stride(-1) == 1
+        if query.shape[2] == 1:
+            op = kernels.one_query_attention()
+            if op is not None and contiguous and query.shape[-1] % 16 == 0:
+                return op(
+                    query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling
+                ), None
+            return one_query_attention(query, key, value, attention_mask, scaling=scaling), None
+        op = kernels.prompt_attention()
+        if op is not None and contiguous and _prompt_op_takes(query, key, attention_mask):
+            mask, keys = _prompt_mask(module, query, attention_mask, is_causal)
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            return op(query, key[:, :, :keys], value[:, :, :keys], mask, scale), None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
+
+
+def _prompt_op_takes(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the prompt op's shapes take these (kernels.native.Kernels.prompt_attention)."""
+    shapes = query.dtype == torch.bfloat16 and query.shape[-1] % native.PROMPT_ATTENTION_DIM_MULTIPLE == 0
+    return shapes and (
+        mask is None or (mask.dim() == 4 and mask.shape[-1] == key.shape[2] and mask.shape[2] in (1, query.shape[2]))
+    )
+
+
+def _prompt_mask(module, query: torch.Tensor, mask: torch.Tensor | None, is_causal: bool | None):
+    """The mask the prompt op takes, as sdpa_attention_forward reads its arguments: no mask and a
+    causal module (or is_causal) is a causal mask aligned to the first key, over as many keys as
+    queries; and that many keys (None: all)."""
+    if mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        length = query.shape[2]
+        return torch.ones(length, length, dtype=torch.bool).tril_()[None, None], length
+    if mask is not None and (mask.dtype not in {torch.bool, torch.float32} or mask.stride(-1) != 1):
+        mask = mask.float().contiguous()
+    return mask, None

@@ -1,8 +1,7 @@
 """The one place vlserve changes transformers' own code, at load, never undone.
 
-- The language model's attention: `attention.attention` registered in transformers'
-  AttentionInterface under attention.NAME (with sdpa's masks) and named in the text model's config;
-  the vision tower keeps its own.
+- The model's attention: `attention.attention` registered in transformers' AttentionInterface under
+  attention.NAME (with sdpa's masks) and named in the text model's and the vision tower's configs.
 - Qwen3-VL's module-level `apply_rotary_pos_emb`, which the text attention calls by name: replaced
   by decoderops' rotary, which hands whatever its op does not take (other layouts, dtypes, a
   process without vlserve's kernels) back to the function it replaced (decoderops.STOCK_ROTARY).
@@ -26,10 +25,12 @@ from vlserve.model import attention, decoderops
 
 
 def attend_through_vlserve(model: torch.nn.Module, kernels: Kernels) -> None:
-    """The language model of a loaded Qwen3-VL attends through vlserve's attention, on `kernels`."""
+    """The language model and the vision tower of a loaded Qwen3-VL attend through vlserve's
+    attention, on `kernels`."""
     AttentionInterface.register(attention.NAME, functools.partial(attention.attention, kernels=kernels))
     AttentionMaskInterface.register(attention.NAME, sdpa_mask)  # the same masks as sdpa
     model.config.text_config._attn_implementation = attention.NAME
+    model.config.vision_config._attn_implementation = attention.NAME
 
 
 def decode_through_vlserve(model: torch.nn.Module, kernels: Kernels) -> None:
