@@ -13,6 +13,7 @@ from PIL import Image
 
 import vlserve.model.loader
 from conftest import run_tool
+from vlserve import sizing
 from vlserve.errors import ContextLengthExceeded, MemoryPressure, RequestTimeout
 from vlserve.kernels import native
 from vlserve.kernels.quantized import INT8_PREFILL_ROWS, Int8Linear, Int8Weight
@@ -409,6 +410,10 @@ def test_an_int8_engine_answers(tmp_path, dtype):
             dtype == "bfloat16",
         )
         assert any(isinstance(m, Int8Linear) for m in engine.model.model.visual.modules())
+        # The rest of the tower (norms, GELU, attention) in the dtype the plan gives it on this CPU.
+        rest = sizing.vision_rest_dtype(sizing.probe(use_libraries=False)["cpu"], dtype)[0]
+        assert engine.loaded_as.vision_rest_dtype == rest
+        assert engine.model.model.visual.patch_embed.proj.weight.dtype == getattr(torch, rest)
         layers = 7 * engine.model.config.text_config.num_hidden_layers
         deadline = time.monotonic() + 60
         while engine.prefill_copies_pending:

@@ -8,6 +8,7 @@ by hand takes the same memory-for-speed extras a deployed one would, and none th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -66,6 +67,7 @@ class LoadChoices:
     packed: bool
     quantize: str
     why: str
+    vision_rest_dtype: str = "float32"  # an int8 vision tower's norms, GELU and attention (sizing.vision_rest_dtype)
     plan: dict[str, Any] | None = field(default=None, repr=False)  # this process's sizing plan, if one fits
 
 
@@ -106,6 +108,7 @@ def choose(model: ModelSettings, limits: LimitSettings, facts: dict[str, Any] | 
     return LoadChoices(
         threads=threads,
         dtype=planned["dtype"],
+        vision_rest_dtype=sizing.vision_rest_dtype(facts["cpu"], planned["dtype"])[0],
         vision_dtype=planned["vision_dtype"] if model.vision_dtype == "auto" else model.vision_dtype,
         prefill_dtype=planned["prefill_dtype"] if model.prefill_dtype == "auto" else model.prefill_dtype,
         packed=planned["packed_weights"] if model.packed_weights is None else model.packed_weights,
@@ -196,25 +199,16 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         if rounds:
             status("finding the outlier channels (once per weight cache)")
             channels = outliers.channels_for(network, processor, prepared)
-        if level != "none":
-            _quantized(
-                network,
-                taken,
-                choices=choices,
-                level=level,
-                prepared=prepared,
-                channels=channels,
-                status=status,
-            )
-        else:
-            _exact(
-                network,
-                taken,
-                choices=choices,
-                prepared=prepared,
-                channels=channels,
-                status=status,
-            )
+        convert_vision_tower(
+            network,
+            getattr(torch, taken.vision_dtype),
+            prepared,
+            channels,
+            rest=getattr(torch, choices.vision_rest_dtype),
+            kernels=taken.kernels,
+        )
+        convert = functools.partial(_quantized, level=level) if level != "none" else _exact
+        convert(network, taken, choices=choices, prepared=prepared, channels=channels, status=status)
         if cache is not None:
             cache.write(prepared)  # only when something was rounded here
     finally:
@@ -280,7 +274,6 @@ def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prep
     copy = taken.prefill_dtype if taken.prefill_dtype not in (level, choices.dtype) else None
     count = pack_language_model(
         network,
-        vision_dtype=getattr(torch, taken.vision_dtype),
         prefill_dtype=None if copy is None else getattr(torch, copy),
         level=level,
         prepared=prepared,
@@ -314,7 +307,6 @@ def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, 
         status("packing weights for oneDNN" if packed else "taking the weights out of the checkpoint")
         count = pack_language_model(
             network,
-            vision_dtype=getattr(torch, taken.vision_dtype),
             prefill_dtype=getattr(torch, taken.prefill_dtype),
             packed=packed,
             native=own,
@@ -328,15 +320,11 @@ def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, 
         _int8_prompt_copies(network, taken, prepared)
         how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
         log.info("%s %d linear layers (prompts in %s)", how, count, taken.prefill_dtype)
+    elif taken.prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
+        add_int8_prompt_copies(network.model.language_model, taken.kernels)
+        _int8_prompt_copies(network, taken, prepared)
     else:
-        convert_vision_tower(
-            network, getattr(torch, taken.vision_dtype), prepared, True, channels, kernels=taken.kernels
-        )
-        if taken.prefill_dtype == "int8":  # unpacked: float32 models on CPUs with VNNI but no BF16
-            add_int8_prompt_copies(network.model.language_model, taken.kernels)
-            _int8_prompt_copies(network, taken, prepared)
-        else:
-            taken.prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
+        taken.prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
     taken.packed = packed or own  # the plan's choice, taken: the weights in a decode kernel's layout
 
 

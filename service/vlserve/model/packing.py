@@ -318,7 +318,6 @@ def weight_formats(
 
 def pack_language_model(
     model: torch.nn.Module,
-    vision_dtype: torch.dtype | None = None,
     prefill_dtype: torch.dtype | None = None,
     *,
     level: str = "none",
@@ -333,10 +332,9 @@ def pack_language_model(
     (none: oneDNN-packed bfloat16, plain weights where `packed` is False, plain ones for vlserve's own
     bfloat16 product where `native`; int8; int4); returns how many layers were converted.
 
-    `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower is not packed: it runs
-    once per image on hundreds of rows at a time, where the plain kernels are already compute-bound;
-    `vision_dtype` converts it on the way out of the memory map (one copy instead of two); int8
-    quantizes its linear layers (vlserve/kernels/quantized.py).
+    `model` is a Qwen3VLForConditionalGeneration in bfloat16. The vision tower is not packed (it runs
+    once per image on hundreds of rows at a time, where the plain kernels are already compute-bound):
+    `convert_vision_tower` converts it.
     `prefill_dtype`: the decoder layers' copy for prompts (the head only ever sees the last row), made
     later by `make_prefill_copy` on each layer that `pending_prefill_copies` lists.
     `prepared` (weightcache.PreparedWeights): quantized weights taken from the weight cache by layer
@@ -346,7 +344,6 @@ def pack_language_model(
     (vlserve/model/outliers.py); a fused group is named by its first member.
     `kernels`: what the weights' products run on (vlserve.kernels.native.load).
     """
-    convert_vision_tower(model, vision_dtype, prepared, defer_layouts, channels, kernels=kernels)
     decoder_weight, head_weight = weight_formats(level, packed, native, kernels)
 
     def maker(fmt: Callable, name: str, role: str | None = None) -> Callable:
@@ -395,15 +392,16 @@ def convert_vision_tower(
     model: torch.nn.Module,
     vision_dtype: torch.dtype | None,
     prepared=None,
-    defer_layouts: bool = False,
     channels: dict[str, list[int]] | None = None,
     *,
+    rest: torch.dtype = torch.float32,
     kernels: Kernels = STOCK_KERNELS,
 ) -> None:
-    """The vision tower to `vision_dtype` (int8: quantized linear layers on `kernels` keeping the
-    streams' outlier `channels` exact, float32 for the rest)."""
+    """The vision tower to `vision_dtype`, on the way out of the memory map (one copy instead of two).
+    int8: its linear layers quantized on `kernels`, keeping the streams' outlier `channels` exact
+    (vlserve/kernels/quantized.py), the rest (norms, GELU, attention) in `rest`."""
     if vision_dtype == torch.int8:
-        quantize_vision_tower(model.model.visual, prepared, "model.visual", channels, kernels)
+        quantize_vision_tower(model.model.visual, prepared, "model.visual", channels, kernels, rest=rest)
     elif vision_dtype is not None and vision_dtype != model.dtype:
         model.model.visual.to(vision_dtype)
 
@@ -445,9 +443,11 @@ def quantize_vision_tower(
     prefix: str = "visual",
     channels: dict[str, list[int]] | None = None,
     kernels: Kernels = STOCK_KERNELS,
+    *,
+    rest: torch.dtype = torch.float32,
 ) -> int:
     """Every linear layer of the vision tower to `Int8Linear`, the rest (norms, patch embedding) to
-    float32; returns how many layers were quantized. Quantizing first spares a float32 copy of them.
+    `rest`; returns how many layers were quantized. Quantizing first spares a float32 copy of them.
     `prepared` (a weightcache.PreparedWeights): weights taken from the cache, or kept for it, by name
     under `prefix`; `channels`: the streams' outlier channels, kept exact (vlserve/model/outliers.py)."""
     count = 0
@@ -462,5 +462,5 @@ def quantize_vision_tower(
                 layer = Int8Linear(child.in_features, child.out_features, weight)
                 setattr(parent, name, layer)
                 count += 1
-    visual.to(torch.float32)
+    visual.to(rest)
     return count

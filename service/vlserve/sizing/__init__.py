@@ -27,7 +27,14 @@ from .common import FACTS_SCHEMA, GIB, MIB, PLAN_SCHEMA, PlanError
 from .contract import QUANTIZE_LEVELS
 from .cores import default_threads
 from .cpulist import format_cpu_list, parse_cpu_list
-from .dtypes import auto_levels, int8_products, native_bfloat16, plan_prefill_dtype, plan_vision_dtype
+from .dtypes import (
+    auto_levels,
+    int8_products,
+    native_bfloat16,
+    plan_prefill_dtype,
+    plan_vision_dtype,
+    vision_rest_dtype,
+)
 from .footprints import (
     COMPUTE_BYTES_PER_32,
     DTYPE_BYTES,
@@ -83,5 +90,6 @@ __all__ = [
     "probe",
     "render_facts",
     "render_plan",
+    "vision_rest_dtype",
     "worker_memory",
 ]
