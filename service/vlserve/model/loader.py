@@ -199,14 +199,6 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         if rounds:
             status("finding the outlier channels (once per weight cache)")
             channels = outliers.channels_for(network, processor, prepared)
-        convert_vision_tower(
-            network,
-            getattr(torch, taken.vision_dtype),
-            prepared,
-            channels,
-            rest=getattr(torch, choices.vision_rest_dtype),
-            kernels=taken.kernels,
-        )
         convert = functools.partial(_quantized, level=level) if level != "none" else _exact
         convert(network, taken, choices=choices, prepared=prepared, channels=channels, status=status)
         if cache is not None:
@@ -271,6 +263,7 @@ def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prep
     """The language model's linear layers rounded to `level` (int8 or int4), from the weight cache
     where it holds them."""
     status("quantizing the language model to %s" % level)
+    _convert_vision_tower(network, taken, choices, prepared, channels)
     copy = taken.prefill_dtype if taken.prefill_dtype not in (level, choices.dtype) else None
     count = pack_language_model(
         network,
@@ -303,6 +296,8 @@ def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, 
     # A bfloat16 model whose prompts want a float32 copy keeps its layers in the service's own
     # linear layers even unpacked (CPUs without oneDNN's bf16 kernels, docs/sizing.md).
     plain_with_copy = network.dtype == torch.bfloat16 and taken.prefill_dtype == "float32"
+    # After the checks above: the network's dtype is its first parameter's, which is the vision tower's.
+    _convert_vision_tower(network, taken, choices, prepared, channels)
     if packed or own or plain_with_copy:
         status("packing weights for oneDNN" if packed else "taking the weights out of the checkpoint")
         count = pack_language_model(
@@ -326,6 +321,12 @@ def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, 
     else:
         taken.prefill_dtype = choices.dtype  # no copy: prompts on the model's own weights
     taken.packed = packed or own  # the plan's choice, taken: the weights in a decode kernel's layout
+
+
+def _convert_vision_tower(network, taken: _Taken, choices: LoadChoices, prepared, channels) -> None:
+    rest = getattr(torch, choices.vision_rest_dtype)
+    vision_dtype = getattr(torch, taken.vision_dtype)
+    convert_vision_tower(network, vision_dtype, prepared, channels, rest=rest, kernels=taken.kernels)
 
 
 def _int8_prompt_copies(network, taken: _Taken, prepared) -> None:
