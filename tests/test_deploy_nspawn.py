@@ -221,32 +221,44 @@ def test_a_second_run_changes_nothing_even_with_a_neighbour_taking_memory(guest,
     another process grown since the first; the audit reports the pressure instead."""
     report = audit(guest, workdir, **host_vars)
     pids = main_pids(guest, report["plan"])
-    row = headroom(report)
-    # Enough to leave the workers 1 GiB less than the plan gives them, whatever the machine's size.
+    try:
+        # The host's other processes (the rest of the suite, in CI) move too: where they freed more than
+        # the neighbour took between the two audits, size the neighbour again from a fresh one.
+        for _ in range(3):
+            row = headroom(audit(guest, workdir, **host_vars))
+            hog = start_neighbour(guest, row)
+            pressed = headroom(audit(guest, workdir, **host_vars))
+            grown = pressed["current"]["other_processes_bytes"] - row["current"]["other_processes_bytes"]
+            if pressed["status"] == "drift" and grown >= hog * 0.8:
+                break
+            guest.ssh("systemctl stop vlserve-test-neighbour", check=False)
+        assert pressed["status"] == "drift", pressed
+        assert "throttled or OOM-killed" in pressed["why"]
+        assert grown >= hog * 0.8, (grown, hog)
+        result = play(guest, workdir, "site.yml", **host_vars)
+        assert result.returncode == 0, result.stdout[-4000:]
+        assert recap(result)["changed"] == 0, result.stdout[-6000:]
+        assert main_pids(guest, report["plan"]) == pids
+    finally:
+        guest.ssh("systemctl stop vlserve-test-neighbour", check=False)
+
+
+def start_neighbour(guest, row: dict) -> int:
+    """A process that leaves the workers 1 GiB less than the plan gives them, whatever the machine's
+    size, once it holds its memory; returns its bytes."""
     hog = row["current"]["free_for_workers_bytes"] - row["desired"]["workers_bytes"] + 2**30
     assert 0 < hog < row["current"]["free_for_workers_bytes"]
     guest.ssh(
         "systemd-run --unit=vlserve-test-neighbour python3 -c \"import time; b = b'\\x01' * %d; time.sleep(900)\"" % hog
     )
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # until the neighbour holds its memory
-            pid = guest.ssh("systemctl show -p MainPID --value vlserve-test-neighbour").stdout.strip()
-            held_kib = guest.ssh("ps -o rss= -p %s" % pid, check=False).stdout.strip()
-            if held_kib and int(held_kib) * 1024 >= hog:
-                break
-            time.sleep(1)
-        result = play(guest, workdir, "site.yml", **host_vars)
-        assert result.returncode == 0, result.stdout[-4000:]
-        assert recap(result)["changed"] == 0, result.stdout[-6000:]
-        assert main_pids(guest, report["plan"]) == pids
-        pressed = headroom(audit(guest, workdir, **host_vars))
-        assert pressed["status"] == "drift", pressed
-        assert "throttled or OOM-killed" in pressed["why"]
-        grown = pressed["current"]["other_processes_bytes"] - row["current"]["other_processes_bytes"]
-        assert grown >= hog * 0.8, (grown, hog)
-    finally:
-        guest.ssh("systemctl stop vlserve-test-neighbour", check=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the neighbour holds its memory
+        pid = guest.ssh("systemctl show -p MainPID --value vlserve-test-neighbour").stdout.strip()
+        held_kib = guest.ssh("ps -o rss= -p %s" % pid, check=False).stdout.strip()
+        if held_kib and int(held_kib) * 1024 >= hog:
+            break
+        time.sleep(1)
+    return hog
 
 
 def test_check_mode_changes_nothing(guest, workdir, deployed, host_vars):

@@ -365,6 +365,17 @@ def logged(front: Front, text: str) -> str:
     raise AssertionError("%s is not in %s" % (text, front.log))
 
 
+def worker_logged(log: pathlib.Path, pattern: str) -> bool:
+    """Whether the worker's log holds a line matching `pattern`: its request record is written as the
+    request ends, which may come after the client has read the response."""
+    deadline = time.monotonic() + 10
+    while not re.search(pattern, log.read_text(errors="replace")):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def test_a_request_keeps_one_id_from_the_fleet_front_to_the_workers_record(behind_fleet, fronted):
     key = {"Authorization": "Bearer " + KEYS["alice"]}
     fleet = behind_fleet["fleet"] + "/v1/chat/completions"
@@ -380,8 +391,8 @@ def test_a_request_keeps_one_id_from_the_fleet_front_to_the_workers_record(behin
         # Both fronts' log lines end with it, and the worker's record names it with its client.
         assert logged(behind_fleet["fleet_front"], '"POST /v1/chat/completions HTTP/1.1" ' + request_id)
         assert logged(behind_fleet["host_front"], request_id)
-        worker_log = pathlib.Path(fronted["worker"].log.name).read_text()
-        assert re.search(r"request %s: POST /v1/chat/completions 200 in \d+ ms, client alice" % request_id, worker_log)
+        record = r"request %s: POST /v1/chat/completions 200 in \d+ ms, client alice" % request_id
+        assert worker_logged(pathlib.Path(fronted["worker"].log.name), record)
     # A refusal of the front's own (no key) carries a new ID too, in its header and its log line.
     refused = httpx.post(fleet, json=chat(), verify=behind_fleet["trust"], timeout=60)
     assert refused.status_code == 401 and re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])
