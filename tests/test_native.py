@@ -142,8 +142,9 @@ def test_an_int8_weight_multiplies_every_row_count_through_the_kernel(loaded, mo
 @needs_bf16
 @pytest.mark.parametrize("shape", [(5, 64), (4099, 2048), (12, 6144)])
 def test_the_bf16_kernel_is_the_exact_sum_rounded_once(ops, shape):
-    """1-4 rows, with and without a bias, outputs not a multiple of its tile of four: the float64 sum
-    of the same bfloat16 values within one bfloat16 rounding, plus float32's accumulation error."""
+    """1-4 rows, with and without a bias, outputs not a multiple of its tile of four, with and without
+    prefetching (the same bits): the float64 sum of the same bfloat16 values within one bfloat16
+    rounding, plus float32's accumulation error."""
     torch.manual_seed(sum(shape))
     outputs, inputs = shape
     weight = (torch.randn(outputs, inputs) * torch.rand(outputs, 1)).bfloat16()
@@ -152,10 +153,11 @@ def test_the_bf16_kernel_is_the_exact_sum_rounded_once(ops, shape):
             x = (torch.randn(rows, inputs) * torch.logspace(-2, 2, rows)[:, None]).bfloat16()
             exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
             magnitude = x.double().abs() @ weight.double().abs().t()
-            got = ops.bf16_linear(x, weight, bias)
+            got = ops.bf16_linear(x, weight, bias, 1)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
             error = (got.double() - exact).abs()
             assert torch.all(error <= exact.abs() * 2.0**-8 + magnitude * 2.0**-16 + 1e-30), float(error.max())
+            assert torch.equal(got, ops.bf16_linear(x, weight, bias, rows + 1)), "a prefetch moved a sum"
 
 
 @needs_bf16
@@ -168,7 +170,12 @@ def test_the_bf16_kernel_refuses_what_it_cannot_multiply(ops):
         (torch.randn(1, 64).bfloat16(), torch.randn(64, 8).bfloat16().t(), "contiguous bfloat16"),
     ):
         with pytest.raises(RuntimeError, match=why):
-            ops.bf16_linear(x, w, None)
+            ops.bf16_linear(x, w, None, 1)
+
+
+def test_the_bf16_prefetch_follows_the_vendor():
+    assert native.prefetch_rows("GenuineIntel") == native.prefetch_rows(None) == 1
+    assert native.prefetch_rows("AuthenticAMD") == 3
 
 
 def _greedy_decode(model, steps: int = 16) -> tuple[list[int], torch.Tensor]:
