@@ -281,6 +281,25 @@ def test_the_peer_benchmark_caps_llama_servers_images_at_the_tokens_a_worker_spe
     assert image_tokens(tiny_model, None) == 0
 
 
+def test_each_peer_load_sends_photos_no_cache_of_the_worker_has_seen(tiny_model, server):
+    """bench-peer's loads at 1, 2 and 4 clients against one worker, as a round runs them: no answer,
+    image encoding or prompt came from the worker's caches (llama-server starts afresh for each)."""
+    from vlserve.bench.peer import PeerOptions, _load  # noqa: PLC0415
+
+    options = PeerOptions(model=tiny_model, requests=2, image_size=(96, 64), max_tokens=2, progress=False)
+    before = server.metrics()
+    for clients in (1, 2, 4):
+        figures = _load(options, [server.url], clients, [])
+        assert figures["output_tokens_per_s"] > 0
+    after = server.metrics()
+    for name in ("vlserve_cache_hits_total", "vlserve_cache_misses_total"):
+        for cache in ("result", "vision"):
+            key = (name, (("cache", cache),))
+            hits_or_misses = after[key] - before.get(key, 0)
+            # a warm-up request a load and 2 + 4 + 8 measured ones: every one a miss
+            assert hits_or_misses == (0 if name == "vlserve_cache_hits_total" else 3 + 14), (name, cache)
+
+
 def peer_side(ttft: float, tpot: float, rates: dict[int, float], peak: float, ready: float) -> dict:
     loads = {
         n: {"ttft_s": ttft, "tpot_s": tpot, "output_tokens_per_s": rate, "peak_rss_bytes": peak * n / 4}

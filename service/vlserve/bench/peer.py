@@ -66,6 +66,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 AMX_OFF_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 COMMON = {"request_timeout_s": "7200", "max_queue": "1024"}
+# Photos of the load at N clients: seeds LOAD_SEEDS + N * LOAD_SEED_STRIDE on (the later turns' are
+# 5000 on). Every load sends photos no earlier load sent: vlserve serves all the loads of a round from
+# one process, whose result, vision and prefix caches would answer a photo and question it has seen
+# (llama-server restarts for each slot count, its caches empty).
+LOAD_SEEDS, LOAD_SEED_STRIDE = 10_000, 1_000
 
 
 @dataclass
@@ -258,12 +263,15 @@ def image_tokens(model: Path, size: tuple[int, int] | None) -> int:
 
 
 def _load(options: PeerOptions, urls: list[str], clients: int, pids: list[int]) -> dict:
-    workload = Workload(image_size=options.image_size, max_tokens=options.max_tokens)
+    seed = LOAD_SEEDS + clients * LOAD_SEED_STRIDE
+    workload = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=seed)
+    requests = options.requests if clients == 1 else 2 * clients
+    assert requests < LOAD_SEED_STRIDE, "the loads' photos would overlap"
     report = run_load(
         LoadSpec(
             urls=urls,
             payload=lambda index: workload.payload(index, None),
-            requests=options.requests if clients == 1 else 2 * clients,
+            requests=requests,
             concurrency=clients,
             warmup=1,
             server_pids=pids,
