@@ -94,15 +94,20 @@ def _timings(model: Any, tokens: int, prompt_tokens: int, sequences: int = 1) ->
     return prefill, times
 
 
-def _rss_anon_bytes() -> int | None:
-    """This process's anonymous resident memory (Linux), what its weights and copies hold."""
+def _resident_bytes() -> dict[str, int | None]:
+    """This process's resident memory (Linux): `rss_bytes` all of it, mapped weight files' pages too
+    (the exact level multiplies its weights where they lie in the checkpoint's map), `rss_anon_bytes`
+    its anonymous part (copies and conversions); None where /proc does not say."""
+    fields = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes"}
+    found: dict[str, int | None] = dict.fromkeys(fields.values())
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
+            name = line.split(maxsplit=1)[0] if line.strip() else ""
+            if name in fields:
+                found[fields[name]] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    return found
 
 
 def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict[str, Any]:
@@ -134,7 +139,7 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
         "prefill_s": prefill,
         "step_s": statistics.median(steps),
         "decode_bytes_per_token": decode_weight_bytes(loaded.model),
-        "rss_anon_bytes": _rss_anon_bytes(),
+        **_resident_bytes(),
         "kernels": loaded.kernels.status,
     }
 
@@ -158,7 +163,9 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     for level, measured in runs.items():
         steps = [run["step_s"] for run in measured]
         prefills = [run["prefill_s"] for run in measured]
-        resident = [run["rss_anon_bytes"] for run in measured if run["rss_anon_bytes"] is not None]
+        resident = {
+            name: [run[name] for run in measured if run[name] is not None] for name in ("rss_bytes", "rss_anon_bytes")
+        }
         step = statistics.median(steps)
         result["levels"][level] = {
             **{
@@ -171,7 +178,7 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
             "step_ms_range": [min(steps) * 1e3, max(steps) * 1e3],
             "step_ms_rounds": [value * 1e3 for value in steps],
             "tokens_per_s": 1 / step,
-            "rss_anon_bytes": max(resident) if resident else None,
+            **{name: max(values) if values else None for name, values in resident.items()},
             "kv_bytes_per_step": {str(count): value for count, value in measured[0]["kv_bytes_per_step"].items()},
             "batches": {
                 str(count): {
@@ -203,12 +210,21 @@ def of_bound(figures: dict[str, Any], sequences: int, step_ms: float, bandwidth:
     return read / bandwidth / (step_ms / 1e3)
 
 
+def _resident(figures: dict[str, Any]) -> str:
+    """A level's settled memory as the table shows it: all of it, then its anonymous part (`none` maps
+    its weights from the checkpoint: its resident pages are mostly file pages)."""
+    whole, anonymous = figures.get("rss_bytes"), figures.get("rss_anon_bytes")
+    if whole is None:
+        return ""
+    return "%.1f GB" % (whole / 1e9) + ("" if anonymous is None else " (%.1f GB)" % (anonymous / 1e9))
+
+
 def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
     counts = sorted({int(count) for figures in result["levels"].values() for count in figures.get("batches", {})})
     lines = [
         "| level | dtype | decode step (median, range of %d rounds) | tokens/s | vs first (medians; rounds; "
         "its best round) | GB read per token "
-        "| of its bound | %s%d-token prompt | anonymous memory, settled |"
+        "| of its bound | %s%d-token prompt | resident memory, settled (anonymous) |"
         % (
             result["rounds"],
             "".join("%d sequences: step (of its bound) | " % count for count in counts),
@@ -240,7 +256,7 @@ def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
                 bound,
                 f["prefill_s"],
                 f["prefill_dtype"],
-                "" if f["rss_anon_bytes"] is None else "%.1f GB" % (f["rss_anon_bytes"] / 1e9),
+                _resident(f),
             )
         )
     return "\n".join(lines)
