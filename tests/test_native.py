@@ -142,14 +142,15 @@ def test_an_int8_weight_multiplies_every_row_count_through_the_kernel(loaded, mo
 @needs_bf16
 @pytest.mark.parametrize("shape", [(5, 64), (4099, 2048), (12, 6144)])
 def test_the_bf16_kernel_is_the_exact_sum_rounded_once(ops, shape):
-    """1-4 rows, with and without a bias, outputs not a multiple of its tile of four, with and without
-    prefetching (the same bits): the float64 sum of the same bfloat16 values within one bfloat16
+    """1-4 rows (a decode step) and 9 (a short prompt: rows in groups of four over panels of weights),
+    with and without a bias, outputs not a multiple of its tile of four, with and without prefetching
+    (the same bits), each row as if alone: the float64 sum of the same bfloat16 values within one bfloat16
     rounding, plus float32's accumulation error."""
     torch.manual_seed(sum(shape))
     outputs, inputs = shape
     weight = (torch.randn(outputs, inputs) * torch.rand(outputs, 1)).bfloat16()
     for bias in (None, torch.randn(outputs).bfloat16()):
-        for rows in range(1, native.MAX_ROWS + 1):
+        for rows in (1, 2, 3, 4, 9):
             x = (torch.randn(rows, inputs) * torch.logspace(-2, 2, rows)[:, None]).bfloat16()
             exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
             magnitude = x.double().abs() @ weight.double().abs().t()
@@ -158,13 +159,15 @@ def test_the_bf16_kernel_is_the_exact_sum_rounded_once(ops, shape):
             error = (got.double() - exact).abs()
             assert torch.all(error <= exact.abs() * 2.0**-8 + magnitude * 2.0**-16 + 1e-30), float(error.max())
             assert torch.equal(got, ops.bf16_linear(x, weight, bias, rows + 1)), "a prefetch moved a sum"
+            alone = torch.cat([ops.bf16_linear(row[None], weight, bias, 1) for row in x])
+            assert torch.equal(got, alone), "a row's sums depend on the rows that came with it"
 
 
 @needs_bf16
 def test_the_bf16_kernel_refuses_what_it_cannot_multiply(ops):
     weight = torch.randn(8, 64).bfloat16()
     for x, w, why in (
-        (torch.randn(5, 64).bfloat16(), weight, "1 to 4 rows"),
+        (torch.randn(0, 64).bfloat16(), weight, "no rows"),
         (torch.randn(1, 64), weight, "rows must be bfloat16"),
         (torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), "multiples of 32"),
         (torch.randn(1, 64).bfloat16(), torch.randn(64, 8).bfloat16().t(), "contiguous bfloat16"),

@@ -20,8 +20,9 @@
 // It takes float32 or bfloat16 rows and returns the rows' dtype (bfloat16 rounded from the float32
 // result): a decode step converts nothing around it.
 //
-// bf16_linear: the exact level's weights, plain (out, in) bfloat16, times 1-4 bfloat16 rows through
-// vdpbf16ps (AVX-512 BF16: 32 products a instruction, float32 sums), rounded to bfloat16 once. On
+// bf16_linear: the exact level's weights, plain (out, in) bfloat16, times bfloat16 rows (four at a
+// time, more over panels of weights held in L2) through vdpbf16ps (AVX-512 BF16: 32 products a
+// instruction, float32 sums), rounded to bfloat16 once. On
 // CPUs with AMX, oneDNN runs such one-row products on AMX tiles and its speed swings between about
 // 9 and 20 GB/s from one call to the next; streamed, several weight rows in flight per thread, they
 // hold the memory's read speed. The sums add in another order than oneDNN's, so a result may differ from its by a
@@ -59,7 +60,8 @@
 
 namespace {
 constexpr int64_t kOutTile = 4;  // weight rows streamed together by one thread
-constexpr int64_t kMaxRows = 4;  // bf16_linear's rows per call: a decode batch of up to four
+constexpr int64_t kMaxRows = 4;  // rows multiplied in one pass over the weights (their sums in registers)
+constexpr int64_t kBf16PanelBytes = 256 << 10;  // bf16_linear: weights kept in L2 while more rows pass
 constexpr int64_t kBf16Chunk = 32;  // bfloat16 inputs per vdpbf16ps
 constexpr int64_t kGroup = 32;   // int4: inputs per scale and low value, and per input scale
 constexpr int64_t kBlock = 16;   // int4: outputs per tile
@@ -321,7 +323,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.size(1) == k,
               "bf16_linear: weight must be contiguous bfloat16 of shape (out, ", k, ")");
   TORCH_CHECK(k % kBf16Chunk == 0, "bf16_linear: inputs must come in multiples of ", kBf16Chunk, ", not ", k);
-  TORCH_CHECK(m >= 1 && m <= kMaxRows, "bf16_linear: 1 to ", kMaxRows, " rows, not ", m);
+  TORCH_CHECK(m >= 1, "bf16_linear: no rows");
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "bf16_linear: one bias per output");
@@ -334,13 +336,24 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
   at::BFloat16* po = out.data_ptr<at::BFloat16>();
   const int64_t tiles = (n + kOutTile - 1) / kOutTile;
+  // More than four rows: a panel of outputs at a time, every group of four rows in turn; the first
+  // group streams the panel's weights from memory, the others find them in L2. Each row's sums are
+  // the same whatever rows come with it.
+  const int64_t panel = std::max<int64_t>(kOutTile, kBf16PanelBytes / (2 * k) / kOutTile * kOutTile);
+  const bool prefetch = std::min(m, kMaxRows) >= prefetch_rows;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    const int64_t n0 = t0 * kOutTile, n1 = std::min(n, t1 * kOutTile);
-    switch (m) {
-      case 1: bf16_dispatch<1>(m >= prefetch_rows, pw, k, n0, n1, px, pb, po, n); break;
-      case 2: bf16_dispatch<2>(m >= prefetch_rows, pw, k, n0, n1, px, pb, po, n); break;
-      case 3: bf16_dispatch<3>(m >= prefetch_rows, pw, k, n0, n1, px, pb, po, n); break;
-      default: bf16_dispatch<4>(m >= prefetch_rows, pw, k, n0, n1, px, pb, po, n); break;
+    for (int64_t p0 = t0 * kOutTile; p0 < std::min(n, t1 * kOutTile); p0 += panel) {
+      const int64_t p1 = std::min({n, t1 * kOutTile, p0 + panel});
+      for (int64_t r = 0; r < m; r += kMaxRows) {
+        const at::BFloat16* xr = px + r * k;
+        at::BFloat16* orow = po + r * n;
+        switch (std::min(kMaxRows, m - r)) {
+          case 1: bf16_dispatch<1>(prefetch, pw, k, p0, p1, xr, pb, orow, n); break;
+          case 2: bf16_dispatch<2>(prefetch, pw, k, p0, p1, xr, pb, orow, n); break;
+          case 3: bf16_dispatch<3>(prefetch, pw, k, p0, p1, xr, pb, orow, n); break;
+          default: bf16_dispatch<4>(prefetch, pw, k, p0, p1, xr, pb, orow, n); break;
+        }
+      }
     }
   });
   return out;

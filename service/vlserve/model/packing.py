@@ -121,11 +121,11 @@ class PackedBf16Weight:
 
 
 class NativeBf16Weight(KernelBound):
-    """A bfloat16 weight multiplied where it lies, in the checkpoint's memory map: decode steps (1-4 rows)
-    through vlserve's own AVX-512 BF16 product (vlserve.kernels.native), prompts through `F.linear`
-    (oneDNN: AMX where the CPU has it). On AMX CPUs oneDNN's one-row products on the packed layout
-    swing between about 9 and 20 GB/s; the own product holds the memory's speed (vlserve/kernels/native.py
-    has the figures).
+    """A bfloat16 weight multiplied where it lies, in the checkpoint's memory map: decode steps and short
+    prompts (up to native.MAX_ROWS rows) through vlserve's own AVX-512 BF16 product
+    (vlserve.kernels.native), longer prompts through `F.linear` (oneDNN: AMX where the CPU has it). On
+    AMX CPUs oneDNN's one-row products on the packed layout swing between about 9 and 20 GB/s; the own
+    product holds the memory's speed (vlserve/kernels/native.py has the figures).
 
     Its layout is the checkpoint's own (out, in), so nothing is copied: no fused matrix either, each
     member of a fused group (`parts`) is its own product. Copying the exact level's 4 GB into fresh
