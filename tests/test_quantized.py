@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -279,16 +280,21 @@ def test_quant_check_refuses_a_directory_that_is_no_checkpoint(tmp_path):
 
 
 def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_it_rounds(tiny_bf16, tmp_path):
+    # A copy no weight cache knows: the first load of each quantized level rounds, untimed; no timed round does.
+    model = tmp_path / "model"
+    shutil.copytree(tiny_bf16, model)
     output = tmp_path / "decode.json"
     result = run_tool(
-        "vlserve", "bench-decode", "--model", str(tiny_bf16), "--tokens", "3", "--rounds", "2", "--threads", "1",
+        "vlserve", "bench-decode", "--model", str(model), "--tokens", "3", "--rounds", "2", "--threads", "1",
         "--output", str(output), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(output.read_text())
     levels = data["levels"]
     assert list(levels) == ["none", "int8", "int4"] and levels["none"]["speedup"] == 1
+    assert levels["int8"]["first_load"]["rounded_layers"] > 0 and levels["int4"]["first_load"]["rounded_layers"] > 0
     for figures in levels.values():
+        assert figures["rounded_layers_in_rounds"] == 0 and figures["first_load"]["seconds"] > 0
         assert figures["tokens_per_s"] > 0 and figures["step_ms_range"][0] <= figures["step_ms"]
         assert figures["rss_bytes"] > figures["rss_anon_bytes"] > 0  # read from /proc (Linux): code is file pages
         assert len(figures["step_ms_rounds"]) == 2 and min(figures["step_ms_rounds"]) == figures["step_ms_range"][0]

@@ -6,7 +6,9 @@ work (as a settled worker runs), prefills a fixed prompt once and times `tokens`
 one through the model's KV cache, for one sequence and for each of `batches` sequences decoded
 together. Beside each level's tokens/s: its bytes read per step (`decode_weight_bytes`, plus the
 keys and values the step's attention reads), with the machine's read bandwidth the fraction of its
-own bound it reaches, and the process's anonymous resident memory once settled.
+own bound it reaches, and the process's resident memory once settled. Before the first round, one
+untimed load per level makes its weight cache where it is missing, so no timed turn rounds weights
+(and holds the checkpoint's pages and the rounding's memory that a worker's usual start does not).
 """
 
 from __future__ import annotations
@@ -110,8 +112,8 @@ def _resident_bytes() -> dict[str, int | None]:
     return found
 
 
-def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict[str, Any]:
-    """In a fresh process: load `level` as a worker does, finish its after-ready work, time it."""
+def _load_level(options: DecodeOptions, level: str, own_kernel: bool) -> Any:
+    """Load `level` as a worker does and finish its after-ready work."""
     settings = ModelSettings(
         model=options.model,
         quantize=level,
@@ -122,6 +124,20 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
     )
     loaded = load_model(settings, LimitSettings(max_batch_size=1), lambda _: None)
     loaded.settle()  # timed as a settled worker runs: kernel layouts and prompt copies made
+    return loaded
+
+
+def _first_load(options: DecodeOptions, level: str, own_kernel: bool) -> dict[str, Any]:
+    """In a fresh process, untimed by the rounds: a load that makes the level's weight cache where it
+    is missing (what the first start after a new release or checkpoint does, not a worker's usual start)."""
+    started = time.perf_counter()
+    loaded = _load_level(options, level, own_kernel)
+    return {"seconds": time.perf_counter() - started, "rounded_layers": loaded.rounded_layers}
+
+
+def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict[str, Any]:
+    """In a fresh process: load `level` as a worker does, finish its after-ready work, time it."""
+    loaded = _load_level(options, level, own_kernel)
     prefill, steps = _timings(loaded.model, options.tokens, options.prompt_tokens)
     batched = {
         count: statistics.median(_timings(loaded.model, options.tokens, options.prompt_tokens, count)[1])
@@ -141,6 +157,7 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
         "decode_bytes_per_token": decode_weight_bytes(loaded.model),
         **_resident_bytes(),
         "kernels": loaded.kernels.status,
+        "rounded_layers": loaded.rounded_layers,
     }
 
 
@@ -151,6 +168,7 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     # and on a 24 GB host the exact level's 12 GB slowed int8's steps from 44 to 61 ms.
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn, max_tasks_per_child=1) as pool:
+        first_loads = {label: pool.submit(_first_load, options, level, own).result() for label, level, own in turns}
         for _ in range(options.rounds):
             for label, level, own_kernel in turns:
                 runs[label].append(pool.submit(_measure_level, options, level, own_kernel).result())
@@ -172,6 +190,8 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
                 name: measured[0][name]
                 for name in ("quantize", "dtype", "prefill_dtype", "decode_bytes_per_token", "kernels")
             },
+            "first_load": first_loads[level],
+            "rounded_layers_in_rounds": max(run["rounded_layers"] for run in measured),
             "prefill_s": statistics.median(prefills),
             "prefill_s_range": [min(prefills), max(prefills)],
             "step_ms": step * 1e3,

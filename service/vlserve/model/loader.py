@@ -132,6 +132,7 @@ class LoadedModel:
     eos_ids: set[int]
     layout_steps: list[Callable[[], None]] = field(default_factory=list)  # weights still in a plain layout
     prefill_copies: list = field(default_factory=list)  # layers still waiting for their prompt copy
+    rounded_layers: int = 0  # layers this load rounded itself (0: every rounded weight came from the weight cache)
 
     def settle(self) -> None:
         """Do now, in the engine's order, the work a worker does in the background after ready, so
@@ -233,6 +234,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         eos_ids=eos_ids,
         layout_steps=layout_steps(network),
         prefill_copies=taken.prefill_copies,
+        rounded_layers=len(prepared.made),
     )
 
 
