@@ -25,6 +25,7 @@ import torch
 
 from vlserve.model.loader import load_model
 from vlserve.runtime.kvcache import new_cache
+from vlserve.runtime.sampling import SamplingParams, next_tokens
 from vlserve.settings import LimitSettings, ModelSettings
 from vlserve.sizing.contract import QUANTIZE_LEVELS
 
@@ -79,19 +80,21 @@ def kv_bytes_read(config: Any, sequences: int, prompt_tokens: int, tokens: int) 
 
 def _timings(model: Any, tokens: int, prompt_tokens: int, sequences: int = 1) -> tuple[float, list[float]]:
     """(prefill seconds of a `prompt_tokens` text prompt, decode step seconds) for `sequences` such
-    prompts decoded together, as the engine runs them: its growing KV cache, logits of the last position only."""
+    prompts decoded together, as the engine runs them: its growing KV cache, logits of the last position
+    only, its greedy choice of the next tokens."""
     cache = new_cache(model.config.text_config.num_hidden_layers)
     ids = torch.arange(100, 100 + prompt_tokens)[None].repeat(sequences, 1)
     with torch.inference_mode():
         started = time.perf_counter()
         out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - started
-        token = out.logits[:, -1:].argmax(-1)
+        greedy = [SamplingParams(max_tokens=tokens)] * sequences
+        token = next_tokens(out.logits[:, -1, :], greedy)[:, None]
         times = []
         for _ in range(tokens):
             started = time.perf_counter()
             out = model(input_ids=token, cache=out.cache, use_cache=True, logits_to_keep=1)
-            token = out.logits[:, -1:].argmax(-1)
+            token = next_tokens(out.logits[:, -1, :], greedy)[:, None]
             times.append(time.perf_counter() - started)
     return prefill, times
 

@@ -79,7 +79,7 @@ class ModelRunner:
             logits_to_keep=1,
         )
         self.metrics.prefill_seconds.observe(time.monotonic() - started)
-        tokens = next_tokens(out.logits[:, -1, :].float(), [s.params for s in group])
+        tokens = next_tokens(out.logits[:, -1, :], [s.params for s in group])
         batch = BatchState(
             cache=out.cache,
             attention_mask=mask,
@@ -140,7 +140,7 @@ class ModelRunner:
         inputs = batch.step_inputs()
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
         batch.cache = out.cache
-        tokens = next_tokens(out.logits[:, -1, :].float(), params)
+        tokens = next_tokens(out.logits[:, -1, :], params)
         batch.advance(inputs["attention_mask"], tokens)
         return tokens
 
