@@ -293,8 +293,13 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
     levels = data["levels"]
     assert list(levels) == ["none", "int8", "int4"] and levels["none"]["speedup"] == 1
     assert levels["int8"]["first_load"]["rounded_layers"] > 0 and levels["int4"]["first_load"]["rounded_layers"] > 0
+    low, high = data["read_bandwidth_range"]
+    assert 0 < low <= data["read_bandwidth_bytes_per_s"] <= high
     for figures in levels.values():
         assert figures["rounded_layers_in_rounds"] == 0 and figures["first_load"]["seconds"] > 0
+        for count in ("1", "4"):  # each round's step against its own turn's read speed
+            share = figures["of_bound"][count]
+            assert 0 < share["range"][0] <= share["median"] <= share["range"][1]
         assert figures["tokens_per_s"] > 0 and figures["step_ms_range"][0] <= figures["step_ms"]
         assert figures["rss_bytes"] > figures["rss_anon_bytes"] > 0  # read from /proc (Linux): code is file pages
         assert len(figures["step_ms_rounds"]) == 2 and min(figures["step_ms_rounds"]) == figures["step_ms_range"][0]
@@ -309,4 +314,5 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
         # Their attention reads four sequences' keys and values: four times one's.
         assert figures["kv_bytes_per_step"]["4"] == 4 * figures["kv_bytes_per_step"]["1"] > 0
     assert "4 sequences: step (of its bound)" in result.stdout
+    assert "memory read speed, measured in each turn after its steps" in result.stdout
     assert "| int4 |" in result.stdout or "| int4 | " in result.stdout

@@ -5,8 +5,9 @@ turn is a fresh process that loads the level by the service's loader and finishe
 work (as a settled worker runs), prefills a fixed prompt once and times `tokens` greedy steps one by
 one through the model's KV cache, for one sequence and for each of `batches` sequences decoded
 together. Beside each level's tokens/s: its bytes read per step (`decode_weight_bytes`, plus the
-keys and values the step's attention reads), with the machine's read bandwidth the fraction of its
-own bound it reaches, and the process's resident memory once settled. Before the first round, one
+keys and values the step's attention reads), the fraction of its own bound it reaches (against the
+memory's read speed measured in the same process right after its steps: median and range over the
+rounds), and the process's resident memory once settled. Before the first round, one
 untimed load per level makes its weight cache where it is missing, so no timed turn rounds weights
 (and holds the checkpoint's pages and the rounding's memory that a worker's usual start does not).
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from vlserve.bench.bandwidth import measure_read_bandwidth
 from vlserve.model.loader import load_model
 from vlserve.runtime.kvcache import new_cache
 from vlserve.runtime.sampling import SamplingParams, next_tokens
@@ -147,6 +149,10 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
         for count in options.batches
     }
     config = loaded.model.config
+    resident = _resident_bytes()  # before the bandwidth's buffer comes and goes
+    # The memory's read speed now, in this process: this project's VMs swing between two speeds
+    # within minutes, so each turn's steps are held against the speed of their own moment.
+    bandwidth = measure_read_bandwidth(options.threads or torch.get_num_threads())["bytes_per_s"]
     return {
         "batch_step_s": batched,
         "kv_bytes_per_step": {
@@ -158,7 +164,8 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
         "prefill_s": prefill,
         "step_s": statistics.median(steps),
         "decode_bytes_per_token": decode_weight_bytes(loaded.model),
-        **_resident_bytes(),
+        **resident,
+        "read_bandwidth_bytes_per_s": bandwidth,
         "kernels": loaded.kernels.status,
         "rounded_layers": loaded.rounded_layers,
     }
@@ -203,6 +210,7 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
             "tokens_per_s": 1 / step,
             **{name: max(values) if values else None for name, values in resident.items()},
             "kv_bytes_per_step": {str(count): value for count, value in measured[0]["kv_bytes_per_step"].items()},
+            "of_bound": _of_bound(measured, options.batches),
             "batches": {
                 str(count): {
                     "step_ms": statistics.median(run["batch_step_s"][count] for run in measured) * 1e3,
@@ -214,6 +222,9 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
                 for count in options.batches
             },
         }
+    bandwidths = [run["read_bandwidth_bytes_per_s"] for measured in runs.values() for run in measured]
+    result["read_bandwidth_bytes_per_s"] = statistics.median(bandwidths)
+    result["read_bandwidth_range"] = [min(bandwidths), max(bandwidths)]
     # Against the first level: medians; each round's pair (the levels took turns, so a round's pair
     # saw the same machine); and the first level's best round, which stays honest when that level's
     # steps swing between rounds (this project's VMs did, for the exact level).
@@ -226,11 +237,27 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     return result
 
 
-def of_bound(figures: dict[str, Any], sequences: int, step_ms: float, bandwidth: float) -> float:
+def of_bound(read_bytes: float, step_s: float, bandwidth: float) -> float:
     """The fraction of its memory-bandwidth bound a step reaches: the time its bytes (weights, and the
-    keys and values of `sequences` sequences) take at `bandwidth`, over the step's time."""
-    read = figures["decode_bytes_per_token"] + figures["kv_bytes_per_step"][str(sequences)]
-    return read / bandwidth / (step_ms / 1e3)
+    keys and values its attention reads) take at `bandwidth`, over the step's time."""
+    return read_bytes / bandwidth / step_s
+
+
+def _of_bound(measured: list[dict[str, Any]], batches: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+    """Per sequence count (1 and each batch): the median and range over the rounds of each round's
+    step against its own turn's read speed."""
+    shares = {}
+    for count in (1, *batches):
+        values = [
+            of_bound(
+                run["decode_bytes_per_token"] + run["kv_bytes_per_step"][count],
+                run["step_s"] if count == 1 else run["batch_step_s"][count],
+                run["read_bandwidth_bytes_per_s"],
+            )
+            for run in measured
+        ]
+        shares[str(count)] = {"median": statistics.median(values), "range": [min(values), max(values)]}
+    return shares
 
 
 def _resident(figures: dict[str, Any]) -> str:
@@ -242,7 +269,7 @@ def _resident(figures: dict[str, Any]) -> str:
     return "%.1f GB" % (whole / 1e9) + ("" if anonymous is None else " (%.1f GB)" % (anonymous / 1e9))
 
 
-def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
+def render(result: dict[str, Any]) -> str:
     counts = sorted({int(count) for figures in result["levels"].values() for count in figures.get("batches", {})})
     lines = [
         "| level | dtype | decode step (median, range of %d rounds) | tokens/s | vs first (medians; rounds; "
@@ -256,12 +283,11 @@ def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
         "|---|---|---|---|---|---|---|%s---|---|" % ("---|" * len(counts)),
     ]
     for level, f in result["levels"].items():
-        bound = "" if bandwidth is None else "%.0f%%" % (100 * of_bound(f, 1, f["step_ms"], bandwidth))
+        bound = "%.0f%%" % (100 * f["of_bound"]["1"]["median"])
         batched = ""
         for count in counts:
             step = f["batches"][str(count)]["step_ms"]
-            share = "" if bandwidth is None else " (%.0f%%)" % (100 * of_bound(f, count, step, bandwidth))
-            batched += "%.1f ms%s | " % (step, share)
+            batched += "%.1f ms (%.0f%%) | " % (step, 100 * f["of_bound"][str(count)]["median"])
         row = "| %s | %s | %.1f ms (%.1f-%.1f) | %.2f | %.2fx; %.2f-%.2fx; %.2fx | %.2f | %s | "
         row += batched.replace("%", "%%") + "%.2f s (%s) | %s |"
         lines.append(
@@ -282,4 +308,9 @@ def render(result: dict[str, Any], bandwidth: float | None = None) -> str:
                 _resident(f),
             )
         )
+    low, high = result["read_bandwidth_range"]
+    lines.append(
+        "\nmemory read speed, measured in each turn after its steps: %.1f GB/s (%.1f-%.1f)"
+        % (result["read_bandwidth_bytes_per_s"] / 1e9, low / 1e9, high / 1e9)
+    )
     return "\n".join(lines)

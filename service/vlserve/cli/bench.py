@@ -174,7 +174,6 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from vlserve.bench.bandwidth import measure_read_bandwidth  # noqa: PLC0415
     from vlserve.bench.decode import DecodeOptions, bench_decode, render  # noqa: PLC0415
     from vlserve.errors import ModelDirectoryError  # noqa: PLC0415
     from vlserve.model.loader import check_model_directory  # noqa: PLC0415
@@ -197,9 +196,8 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             batches=tuple(args.batches),
         )
     )
-    result["read_bandwidth_bytes_per_s"] = measure_read_bandwidth(threads)["bytes_per_s"]
     write_json(args.output, result)
-    print(json.dumps(result, indent=2) if args.json else render(result, result["read_bandwidth_bytes_per_s"]))
+    print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
 
