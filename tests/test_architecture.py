@@ -93,9 +93,9 @@ def test_the_module_map_lists_every_module():
     on_disk = {
         path.relative_to(PACKAGE).as_posix()
         for path in PACKAGE.rglob("*")
-        if path.suffix in (".py", ".cpp") and path.name != "__init__.py" and "__pycache__" not in path.parts
+        if path.suffix in (".py", ".cpp", ".h") and path.name != "__init__.py" and "__pycache__" not in path.parts
     }
-    listed = set(re.findall(r"^\| `([\w/]+\.(?:py|cpp))` \|", ARCHITECTURE.read_text(), re.M))
+    listed = set(re.findall(r"^\| `([\w/]+\.(?:py|cpp|h))` \|", ARCHITECTURE.read_text(), re.M))
     assert listed == on_disk, {"not listed": sorted(on_disk - listed), "gone": sorted(listed - on_disk)}
 
 

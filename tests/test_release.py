@@ -104,7 +104,7 @@ def test_the_wheel_holds_every_module_and_data_file_the_commands_read(wheel):
     names = set(zipfile.ZipFile(wheel["path"]).namelist())
     package = REPO / "service" / "vlserve"
     wanted = {p.relative_to(package.parent).as_posix() for p in package.rglob("*.py") if "__pycache__" not in p.parts}
-    for pattern in ("schemas/*.json", "static/*", "kernels/*.cpp", "data/*.yml"):
+    for pattern in ("schemas/*.json", "static/*", "kernels/*.cpp", "kernels/*.h", "data/*.yml"):
         wanted |= {p.relative_to(package.parent).as_posix() for p in package.glob(pattern)}
     wanted |= {"vlserve/data/templates/" + p.name for p in (REPO / "templates").iterdir()}
     assert wanted <= names, sorted(wanted - names)

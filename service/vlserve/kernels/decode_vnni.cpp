@@ -58,6 +58,8 @@
 #include <tuple>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 constexpr int64_t kOutTile = 4;  // weight rows streamed together by one thread
 constexpr int64_t kMaxRows = 4;  // rows multiplied in one pass over the weights (their sums in registers)
@@ -251,6 +253,9 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& blocks) {
   return out;
 }
 
+}  // namespace
+
+namespace vlserve {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blocks) {
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "int4_linear: x must be (rows, in) and blocks 2-d");
   const int64_t k = x.size(1), groups = k / kGroup;
@@ -262,6 +267,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blocks) {
   if (x.scalar_type() == at::kBFloat16) return int4_rows<at::BFloat16>(x.contiguous(), blocks);
   return int4_rows<float>(x.to(at::kFloat).contiguous(), blocks);
 }
+}  // namespace vlserve
+
+namespace {
 // bf16 ---------------------------------------------------------------------------------------------
 
 // Outputs n0..n1 of M bfloat16 rows.
@@ -315,6 +323,9 @@ void bf16_dispatch(bool prefetch, const at::BFloat16* w, int64_t k, int64_t n0, 
   else bf16_outputs<M, false>(w, k, n0, n1, x, bias, out, ldo);
 }
 
+}  // namespace
+
+namespace vlserve {
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                        int64_t prefetch_rows) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "bf16_linear: x must be (rows, in) and weight (out, in)");
@@ -358,6 +369,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   });
   return out;
 }
+}  // namespace vlserve
+
+namespace {
 
 // transformers' Qwen3VLTextRMSNorm: weight * to_dtype(x * rsqrt(mean(x^2) + eps)), float32 inside.
 template <typename T>
@@ -379,6 +393,9 @@ void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t d, flo
   });
 }
 
+}  // namespace
+
+namespace vlserve {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t d = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "rms_norm: weight must be (", d, ")");
@@ -394,6 +411,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only, not ", x.scalar_type());
   return out;
 }
+}  // namespace vlserve
+
+namespace {
 
 // transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1);
 // x (batch, heads, tokens, dim) with any strides, cos and sin (batch, tokens, dim), broadcast over heads.
@@ -419,6 +439,9 @@ void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, a
   });
 }
 
+}  // namespace
+
+namespace vlserve {
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                          const at::Tensor& sin) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.dim() == 3,
@@ -443,6 +466,9 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   }
   return out;
 }
+}  // namespace vlserve
+
+namespace {
 // vlserve.model.attention's one-query attention (a decode step): q (batch, heads, 1, dim), key and value
 // (batch, kv_heads, tokens, dim), views of the growing cache with any strides but a contiguous last
 // dimension, dim a multiple of 16; mask None, boolean (True attends) or additive, (batch, 1, 1, tokens).
@@ -537,6 +563,9 @@ void attention_values(const at::Tensor& weights, const at::Tensor& value, at::Te
   });
 }
 
+}  // namespace
+
+namespace vlserve {
 at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
                                const c10::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && key.dim() == 4 && value.dim() == 4 && q.size(2) == 1,
@@ -570,7 +599,7 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& key, const
     attention_values<float>(weights, value, out);
   return out;
 }
-}  // namespace
+}  // namespace vlserve
 
 TORCH_LIBRARY(vlserve, lib) {
   lib.def("int4_linear(Tensor x, Tensor blocks) -> Tensor");
@@ -580,9 +609,9 @@ TORCH_LIBRARY(vlserve, lib) {
   lib.def("one_query_attention(Tensor q, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(vlserve, CPU, lib) {
-  lib.impl("int4_linear", int4_linear);
-  lib.impl("bf16_linear", bf16_linear);
-  lib.impl("rms_norm", rms_norm);
-  lib.impl("rotary", rotary);
-  lib.impl("one_query_attention", one_query_attention);
+  lib.impl("int4_linear", vlserve::int4_linear);
+  lib.impl("bf16_linear", vlserve::bf16_linear);
+  lib.impl("rms_norm", vlserve::rms_norm);
+  lib.impl("rotary", vlserve::rotary);
+  lib.impl("one_query_attention", vlserve::one_query_attention);
 }

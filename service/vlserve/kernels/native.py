@@ -6,8 +6,9 @@ Two ISA tiers, picked from the CPU and torch's view of it (ATEN_CPU_CAPABILITY h
   times integer weights at about the speed the weights stream from memory) and the int8 product runs
   prompts and images too; the exact level decodes its bfloat16 weights through bf16_linear where the
   CPU has AVX-512 BF16 (on AMX CPUs oneDNN's one-row bfloat16 products swing between about 9 and 20
-  GB/s, this one holds 19-20 GB/s); the decoder's norm, rotary and one-query attention in one call each;
-  with AVX-512 BF16 too, the attention of prompts and images in bfloat16 (kernels/prompt_attention.cpp).
+  GB/s, this one holds 19-20 GB/s); the decoder's norm, rotary and one-query attention in one call each,
+  and a decode step's whole decoder layer in one call (kernels/decoder_layer.cpp); with AVX-512 BF16
+  too, the attention of prompts and images in bfloat16 (kernels/prompt_attention.cpp).
 - `avx2` (AVX2, FMA and F16C: every x86-64 server CPU since 2013, and AVX-512 CPUs without VNNI):
   the int8 product (kernels/q8.cpp, equal to the AVX-512 one bit for bit), the norm and the rotary.
   int4 weights go through torch's int4 kernel there, attention through vlserve.model.attention's Python path.
@@ -19,7 +20,7 @@ their 16-bit pair sums (held to AVX2 here, torch._int_mm and oneDNN's prepacked 
 wrong sums: docs/quantization.md). The int4 product rounds its inputs the same way.
 
 They are built with the host's C++ compiler against the installed torch into
-`<cache>/vlserve_kernels-<key>.so` (about 10 s); the key digests the sources, torch's version, the
+`<cache>/vlserve_kernels-<key>.so` (about 25 s); the key digests the sources and the header, torch's version, the
 Python ABI and the flags, so an upgrade of any of them builds a new file and a stale one is never
 loaded. On a deployed host `vlserve kernels` builds and checks them before any worker starts (the
 deploy role's step: workers run with `kernels_build` off and only load, so no compiler runs in a
@@ -61,7 +62,13 @@ from vlserve.sizing.contract import KERNELS_OWN, KERNELS_STOCK
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent  # the C++ sources sit beside this module
-SOURCES = (KERNELS / "decode_vnni.cpp", KERNELS / "q8.cpp", KERNELS / "prompt_attention.cpp")
+SOURCES = (
+    KERNELS / "decode_vnni.cpp",
+    KERNELS / "q8.cpp",
+    KERNELS / "prompt_attention.cpp",
+    KERNELS / "decoder_layer.cpp",
+)
+HEADERS = (KERNELS / "ops.h",)  # part of the build's key, not of its command
 # Rows the model sends to bf16_linear (decode batches, short prompts such as a second question);
 # more go to oneDNN. A step's 112 mapped matrices of the real-size model on a Zen 5 (2 threads):
 # bf16_linear took 0.74x oneDNN's time at 4 rows, 0.80x at 8, 0.87x at 16, 1.08x at 32.
@@ -164,7 +171,7 @@ def _command(cxx: str, output: Path) -> list[str]:
     """One compiler run: every source into one library (each ISA's functions carry their own target)."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - only when building
 
-    includes = ["-I" + path for path in cpp_extension.include_paths()]
+    includes = ["-I" + path for path in (str(KERNELS), *cpp_extension.include_paths())]  # ops.h from any source
     torch_lib = str(Path(torch.__file__).parent / "lib")
     abi = "-D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
@@ -185,7 +192,7 @@ def library_path(root: Path) -> Path:
     """Where the build for these sources, this torch, this Python and these flags lives. The
     compiler's version is not part of it: loading then needs no compiler, and a build stays good."""
     key = hashlib.sha256()
-    sources = [source.read_bytes() for source in SOURCES]
+    sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     for part in (*sources, torch.__version__.encode(), " ".join(COMPILE_FLAGS).encode()):
         key.update(hashlib.sha256(part).digest())
     key.update((sysconfig.get_config_var("SOABI") or "").encode())
@@ -271,6 +278,8 @@ def _check(ops, tier: str, bf16: bool) -> None:
     if bf16:
         _check_bf16(ops, generator)
     _check_decoder_ops(ops, generator, attention_op=tier == "avx512_vnni")
+    if tier == "avx512_vnni":
+        _check_decoder_layer(ops, generator, tier)
 
 
 def _check_int4(ops, generator: torch.Generator) -> None:
@@ -351,9 +360,59 @@ def _check_decoder_ops(ops, generator: torch.Generator, attention_op: bool) -> N
         )
 
 
+def _check_decoder_layer(ops, generator: torch.Generator, tier: str) -> None:
+    """The decoder layer op against the same layer composed from the checked ops in Python (as
+    transformers' Qwen3VLTextDecoderLayer runs a decode step on vlserve's ops): equal bit for bit, its
+    output and the key and value it writes. Two rows, two query heads of 32 over one key head; int8
+    products (one with a bias), int4 for the MLP's gate and up."""
+    rows, width, heads, dim, start, eps, scale = 2, 64, 2, 32, 5, 1e-6, 32**-0.5
+
+    def int8(outputs: int, inputs: int) -> torch.Tensor:
+        return q8_tiles(*quantize_blocks(torch.randn(outputs, inputs, generator=generator), torch.float16))
+
+    qkv, o, down = int8((heads + 2) * dim, width), int8(width, heads * dim), int8(width, width)
+    gate_up = int4_blocks(*int4_groups(torch.randn(2 * width, width, generator=generator), INT4_GROUP))
+    bias = torch.randn((heads + 2) * dim, generator=generator)
+    norms = [torch.randn(size, generator=generator).bfloat16() for size in (width, width, dim, dim)]
+    hidden = torch.randn(rows, 1, width, generator=generator).bfloat16()
+    cos, sin = (torch.randn(rows, 1, dim, generator=generator).bfloat16() for _ in range(2))
+    keys, values = (torch.randn(rows, 1, 8, dim, generator=generator).bfloat16() for _ in range(2))
+    mask = torch.ones(rows, 1, 1, start + 1, dtype=torch.bool)
+    mask[1, ..., :2] = False
+
+    x = ops.rms_norm(hidden, norms[0], eps).reshape(rows, width)
+    q, k, v = ops.q8_linear(x, qkv, bias, (heads + 2) * dim, tier).split([heads * dim, dim, dim], -1)
+    q = ops.rms_norm(q.contiguous().view(rows, 1, heads, dim), norms[2], eps).transpose(1, 2)
+    k = ops.rms_norm(k.contiguous().view(rows, 1, 1, dim), norms[3], eps).transpose(1, 2)
+    q, k = ops.rotary(q, k, cos, sin)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys[:, :, start] = k[:, :, 0]
+    expected_values[:, :, start] = v.view(rows, 1, dim)
+    a = ops.one_query_attention(q, expected_keys[:, :, : start + 1], expected_values[:, :, : start + 1], mask, scale)
+    h = hidden + ops.q8_linear(a.reshape(rows, -1), o, None, width, tier).view(rows, 1, width)
+    g, u = ops.int4_linear(ops.rms_norm(h, norms[1], eps).reshape(rows, width), gate_up).split(width, -1)
+    up = torch.nn.functional.silu(g.contiguous()) * u.contiguous()
+    expected = h + ops.q8_linear(up, down, None, width, tier).view(rows, 1, width)
+
+    product = torch.classes.vlserve.Product
+    products = [
+        product(kind, [weight], extra, outputs, None, None, None, None, None)
+        for kind, weight, extra, outputs in (
+            (1, qkv, bias, (heads + 2) * dim),
+            (1, o, None, width),
+            (2, gate_up, None, 2 * width),
+            (1, down, None, width),
+        )
+    ]
+    layer = torch.classes.vlserve.DecoderLayer(*norms, eps, *products, heads, 1, dim, width, scale, 1, tier)
+    got = layer.decode(hidden, cos, sin, keys, values, start, mask)
+    if not (torch.equal(got, expected) and torch.equal(keys, expected_keys) and torch.equal(values, expected_values)):
+        raise NativeUnavailable("its decoder layer check differs from the same ops composed in Python")
+
+
 # What each tier's library serves, as /readyz and /status say it.
 TIER_OPS = {
-    "avx512_vnni": "int8/int4 products, norm, rotary, attention",
+    "avx512_vnni": "int8/int4 products, norm, rotary, attention, decoder layer",
     "avx2": "int8 products, norm, rotary",
 }
 # /readyz's line where no level asked for the kernels (the exact level on a CPU without AVX-512 BF16)
@@ -416,6 +475,19 @@ class Kernels:
         (batch, kv_heads, tokens, dim) with a contiguous last dimension, mask or None, scale ->
         (batch, 1, heads, dim) as kernels/reference.py's one_query_attention computes it."""
         return None if self.tier != "avx512_vnni" else self.ops.one_query_attention
+
+    def decoder_layer(self):
+        """The decode step's layer op (avx512_vnni tier: it attends through one_query_attention), or None:
+        (Product, make_layer). Product(kind, weights, bias, outputs, columns, column_weights, rows,
+        row_weights, row_bias) is one linear layer's (or fused group's) weight; make_layer(input_norm,
+        post_norm, q_norm, k_norm, eps, qkv, o, gate_up, down, heads, kv_heads, head_dim, intermediate,
+        scale) a layer whose decode(hidden, cos, sin, key_buffer, value_buffer, start, mask) is
+        Qwen3VLTextDecoderLayer's forward of one token a row, bit for bit (kernels/decoder_layer.cpp;
+        vlserve.model.decoderops builds them from a loaded model)."""
+        if self.tier != "avx512_vnni":
+            return None
+        classes, prefetch, isa = torch.classes.vlserve, self.prefetch_rows, self.tier
+        return classes.Product, lambda *args: classes.DecoderLayer(*args, prefetch, isa)
 
     def int8_layout(self) -> str:
         """Which layout int8 weights take (the weight cache keeps each in its own file)."""

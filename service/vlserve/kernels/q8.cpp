@@ -40,6 +40,8 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 constexpr int64_t kBlock = 32;                       // inputs per scale
 constexpr int64_t kTile = 16;                        // outputs per tile
@@ -283,6 +285,10 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& tiles, const float* bi
   return out;
 }
 
+}  // namespace
+
+namespace vlserve {
+
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias,
                      int64_t outputs, c10::string_view isa_name) {
   const Isa isa = parse_isa(isa_name);
@@ -305,8 +311,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& tiles, const c10::op
   return product<float>(x.to(at::kFloat).contiguous(), tiles, pb, outputs, isa);
 }
 
-}  // namespace
+}  // namespace vlserve
+
 TORCH_LIBRARY_FRAGMENT(vlserve, lib) {
   lib.def("q8_linear(Tensor x, Tensor tiles, Tensor? bias, int outputs, str isa) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(vlserve, CPU, lib) { lib.impl("q8_linear", q8_linear); }
+TORCH_LIBRARY_IMPL(vlserve, CPU, lib) { lib.impl("q8_linear", vlserve::q8_linear); }

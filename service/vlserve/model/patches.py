@@ -35,6 +35,8 @@ def attend_through_vlserve(model: torch.nn.Module, kernels: Kernels) -> None:
 
 def decode_through_vlserve(model: torch.nn.Module, kernels: Kernels) -> None:
     """The language model's norms (its own instances) and rotary embedding (transformers' function)
-    through vlserve's ops, where `kernels` have them."""
+    through vlserve's ops, where `kernels` have them, and its decoder layers' decode steps through the
+    layer op where it takes them (decoderops.use_decoder_layers: the layers' own instances)."""
     if decoderops.use_for(model, kernels):
         modeling_qwen3_vl.apply_rotary_pos_emb = functools.partial(decoderops.rotary, op=kernels.rotary())
+        decoderops.use_decoder_layers(model, kernels)

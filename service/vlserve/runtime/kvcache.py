@@ -40,10 +40,27 @@ class GrowingLayer(DynamicLayer):
             self._value_buffer = self._grow(self._value_buffer, value_states, end)
         self._key_buffer[:, :, start:end].copy_(key_states)
         self._value_buffer[:, :, start:end].copy_(value_states)
+        self._filled(end)
+        return self.keys, self.values
+
+    def reserve(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Room for `tokens` more that the caller writes itself (kernels/decoder_layer.cpp writes a decode
+        step's key and value): (key buffer, value buffer, where they go), the length already counting
+        them; None before the first update (the buffers' shape comes from the first states)."""
+        if self._key_buffer is None:
+            return None
+        start = self._length
+        end = start + tokens
+        if end > self._key_buffer.shape[-2]:
+            self._key_buffer = self._grow(self._key_buffer, self._key_buffer, end)
+            self._value_buffer = self._grow(self._value_buffer, self._value_buffer, end)
+        self._filled(end)
+        return self._key_buffer, self._value_buffer, start
+
+    def _filled(self, end: int) -> None:
         self._length = end
         self.keys = self._key_buffer[:, :, :end]
         self.values = self._value_buffer[:, :, :end]
-        return self.keys, self.values
 
     def _grow(self, buffer: torch.Tensor | None, states: torch.Tensor, needed: int) -> torch.Tensor:
         shape = list(states.shape)
