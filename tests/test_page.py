@@ -316,15 +316,18 @@ def test_the_api_key_stays_in_the_tab_and_the_front_refusals_are_shown(guarded_w
 def test_a_full_worker_is_shown_as_429_with_its_retry_after(guarded_worker, browser, pictures):
     key = {"Authorization": "Bearer page-test-key"}
     busy = chat("Count to a thousand.", max_tokens=3000, ignore_eos=True, stream=True)
+    # The page is loaded before the slot is taken: the tiny model's 3000 tokens last a few seconds,
+    # less than a browser's start on a loaded machine, so only the question itself may come after.
+    browser.open(guarded_worker.url + "/")
+    browser.evaluate("sessionStorage.setItem('vlserve.apiKey', 'page-test-key')")
+    browser.open(guarded_worker.url + "/")
+    browser.wait_for("document.getElementById('choices').tBodies[0].rows.length > 0", what="the status view")
     with (
         httpx.Client(timeout=60) as client,
         client.stream("POST", guarded_worker.url + "/v1/chat/completions", json=busy, headers=key) as occupying,
     ):
         lines = occupying.iter_lines()  # kept: a dropped iterator closes the response, and the worker cancels
         next(lines)  # admitted: the worker's only batch slot is taken, and its queue is 0 long
-        browser.open(guarded_worker.url + "/")
-        browser.evaluate("sessionStorage.setItem('vlserve.apiKey', 'page-test-key')")
-        browser.open(guarded_worker.url + "/")
         ask(browser, "Anyone there?", pictures / "photo.jpg")
         shown = browser.text("#error")
         browser.screenshot(ARTIFACTS / "error-429.png")
