@@ -107,6 +107,23 @@ def test_every_tier_gives_the_same_bits(ops):
             assert all(torch.equal(result, results[0]) for result in results[1:])
 
 
+@pytest.mark.parametrize("tier", CPU_TIERS or ["none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_int8_rows_are_the_bits_each_row_gets_alone(ops, tier, dtype):
+    """Many rows take another path than a decode step's few (on AVX-512: more tiles and fewer rows a
+    pass), with the same sums in the same order: a token's result does not depend on how many rows came
+    with it, so what quant-check measures on prompts holds for decode steps."""
+    torch.manual_seed(11)
+    outputs, inputs = 13 * 16 + 5, 24 * 32  # an odd number of tiles, the last one part empty
+    values, scales = quantize_blocks(torch.randn(outputs, inputs) * torch.rand(outputs, 1), torch.float16)
+    tiles, bias = q8_tiles(values, scales), torch.randn(outputs)
+    x = (torch.randn(23, inputs) * torch.logspace(-2, 2, 23)[:, None]).to(dtype)
+    x[3] = 0
+    for b in (None, bias):
+        alone = torch.cat([ops.q8_linear(x[row : row + 1], tiles, b, outputs, tier) for row in range(x.shape[0])])
+        assert torch.equal(ops.q8_linear(x, tiles, b, outputs, tier), alone)
+
+
 def test_the_int8_product_refuses_what_it_cannot_multiply(ops):
     values, scales = quantize_blocks(torch.randn(40, 64), torch.float16)
     tiles = q8_tiles(values, scales)

@@ -258,7 +258,7 @@ def _check(ops, tier: str, bf16: bool) -> None:
     int8: the exact sum of the same rounded quantities (float64), within float32's accumulation error.
     int4: the same rounded quantities summed in float64."""
     generator = torch.Generator().manual_seed(0)
-    for rows, inputs, outputs in ((1, 64, 5), (3, 96, 40), (6, 128, 70)):
+    for rows, inputs, outputs in ((1, 64, 5), (3, 96, 40), (6, 128, 70), (11, 64, 40)):  # 11: a prompt's path
         values, scales = quantize_blocks(torch.randn(outputs, inputs, generator=generator), torch.float16)
         bias = torch.randn(outputs, generator=generator)
         for dtype in (torch.float32, torch.bfloat16):
