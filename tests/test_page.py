@@ -316,8 +316,7 @@ def test_the_api_key_stays_in_the_tab_and_the_front_refusals_are_shown(guarded_w
 def test_a_full_worker_is_shown_as_429_with_its_retry_after(guarded_worker, browser, pictures):
     key = {"Authorization": "Bearer page-test-key"}
     busy = chat("Count to a thousand.", max_tokens=3000, ignore_eos=True, stream=True)
-    # The page is loaded before the slot is taken: the tiny model's 3000 tokens last a few seconds,
-    # less than a browser's start on a loaded machine, so only the question itself may come after.
+    # The page is loaded before the slot is taken, so only the question comes while it is held.
     browser.open(guarded_worker.url + "/")
     browser.evaluate("sessionStorage.setItem('vlserve.apiKey', 'page-test-key')")
     browser.open(guarded_worker.url + "/")
@@ -327,7 +326,7 @@ def test_a_full_worker_is_shown_as_429_with_its_retry_after(guarded_worker, brow
         client.stream("POST", guarded_worker.url + "/v1/chat/completions", json=busy, headers=key) as occupying,
     ):
         lines = occupying.iter_lines()  # kept: a dropped iterator closes the response, and the worker cancels
-        next(lines)  # admitted: the worker's only batch slot is taken, and its queue is 0 long
+        next(lines)  # submitted: waiting, in its prefill or running, it holds the only slot; the queue is 0 long
         ask(browser, "Anyone there?", pictures / "photo.jpg")
         shown = browser.text("#error")
         browser.screenshot(ARTIFACTS / "error-429.png")

@@ -247,6 +247,30 @@ def test_the_scheduler_refuses_past_its_queue_drops_the_cancelled_and_times_out_
     assert scheduler.metrics.cancelled._value.get() == 1
 
 
+def test_a_request_in_its_prefill_holds_its_slot(loaded):
+    """Admitted requests leave the queue before they join the batch: one that arrives during their
+    prefill finds no free slot (a worker of one slot and no queue once took it and made it wait)."""
+    scheduler = scheduler_for(loaded, max_batch_size=1, max_queue=0)
+    prompt = build_prompt(loaded.processor, ask("Hi"), 1)
+    scheduler.enqueue(sequence(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+    refused = []
+    prefill = scheduler._prefill
+
+    def arriving_during_prefill(group):
+        with pytest.raises(Overloaded) as raised:
+            scheduler.enqueue(sequence(prompt, SamplingParams(max_tokens=2)))
+        refused.append(raised.value)
+        prefill(group)
+
+    scheduler._prefill = arriving_during_prefill
+    with torch.inference_mode():
+        scheduler.run_pass(wait=False)
+    assert len(refused) == 1 and len(scheduler.running) == 1 and not scheduler.queue
+    scheduler._prefill = prefill
+    run_until_idle(scheduler)
+    scheduler.enqueue(sequence(prompt, SamplingParams(max_tokens=2)))  # the slot is free again
+
+
 # -- the prefix cache --------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ class Scheduler:
         self.stream: OutputStream | None = None
         self.queue: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.starting = 0  # admitted, in their prefill: out of the queue, not yet running, holding slots
         self.batch: BatchState | None = None
         self.wakeup = threading.Condition()
 
@@ -41,7 +42,8 @@ class Scheduler:
     def enqueue(self, seq: Sequence) -> None:
         """Queue a request, or raise Overloaded when the queue and the free batch slots are full."""
         with self.wakeup:
-            if len(self.queue) >= self.limits.max_queue + max(0, self.limits.max_batch_size - len(self.running)):
+            free = max(0, self.limits.max_batch_size - len(self.running) - self.starting)
+            if len(self.queue) >= self.limits.max_queue + free:
                 raise Overloaded(
                     "the worker is full (%d running, %d waiting, at most %d wait); try again shortly"
                     % (len(self.running), len(self.queue), self.limits.max_queue),
@@ -59,9 +61,14 @@ class Scheduler:
                     self.wakeup.wait(timeout=IDLE_WAIT_S)
                 return
             admitted = self._admit()
+            self.starting = len(admitted)
         try:
             if admitted:
-                self._prefill(admitted)
+                try:
+                    self._prefill(admitted)
+                finally:
+                    with self.wakeup:
+                        self.starting = 0
             self._drop_cancelled()
             if self.running:
                 self._decode_step()
