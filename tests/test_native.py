@@ -143,10 +143,11 @@ def test_the_int8_product_refuses_what_it_cannot_multiply(ops):
 
 
 def test_an_int8_weight_multiplies_every_row_count_through_the_kernel(loaded, monkeypatch):
-    """Decode steps and prompts alike: the tiles are the only copy of the weight (no oneDNN reorder)."""
+    """Decode steps and prompts alike (below AMX's bfloat16 route): the tiles are the only copy of the
+    weight (no oneDNN reorder)."""
     calls = []
     kernel = loaded.q8_linear()
-    counting = dataclasses.replace(loaded)
+    counting = dataclasses.replace(loaded, amx=False)
     object.__setattr__(counting, "q8_linear", lambda: lambda *args: calls.append(args[0].shape) or kernel(*args))
     torch.manual_seed(3)
     weight = Int8Weight.on(counting)(torch.randn(32, 128), torch.randn(32))
@@ -154,6 +155,48 @@ def test_an_int8_weight_multiplies_every_row_count_through_the_kernel(loaded, mo
     for rows in (1, 4, 5, 40):
         weight.matmul(torch.randn(rows, 128))
     assert calls == [(1, 128), (4, 128), (5, 128), (40, 128)]
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", [(1, 32), (40, 96), (4099, 2048), (70, 6144)])
+def test_int8_tiles_made_bfloat16_are_each_weight_times_its_scale_rounded(ops, shape):
+    """AMX's route for long products starts from this: the weight the tiles stand for, rounded to
+    bfloat16 as torch rounds it, every output and block (partial last tile included)."""
+    outputs, inputs = shape
+    generator = torch.Generator().manual_seed(outputs)
+    values, scales = quantize_blocks(torch.randn(outputs, inputs, generator=generator) * 3, torch.float16)
+    exact = (values.float().reshape(outputs, -1, 32) * scales.float()[..., None]).reshape(outputs, inputs)
+    assert torch.equal(ops.q8_bfloat16(q8_tiles(values, scales), outputs, inputs), exact.bfloat16())
+
+
+@needs_bf16
+def test_on_amx_long_bfloat16_products_take_the_weight_made_bfloat16(loaded):
+    """Where oneDNN multiplies bfloat16 on AMX (`Kernels.amx`), an int8 weight sends AMX_PROMPT_ROWS
+    bfloat16 rows or more through oneDNN on the weight made bfloat16, fewer rows (and float32 ones) to
+    vlserve's int8 product; either is the product of the rounded weight, the AMX route without
+    rounding the rows to int8, so nearer to it."""
+    calls = []
+    on_amx = dataclasses.replace(loaded, amx=True)
+    kernel, to_bfloat16 = on_amx.q8_linear(), on_amx.q8_bfloat16()
+    object.__setattr__(on_amx, "q8_linear", lambda: lambda *args: calls.append(("int8", len(args[0]))) or kernel(*args))
+    object.__setattr__(
+        on_amx, "q8_bfloat16", lambda: lambda *args: calls.append(("bfloat16", args[1])) or to_bfloat16(*args)
+    )
+    torch.manual_seed(5)
+    weight = Int8Weight.on(on_amx)(torch.randn(48, 256), torch.randn(48).bfloat16().float())
+    exact_weight = weight.dequantized().double()
+    long_rows = native.AMX_PROMPT_ROWS
+    errors = {}
+    for rows, dtype in ((long_rows - 1, torch.bfloat16), (long_rows, torch.bfloat16), (long_rows, torch.float32)):
+        x = torch.randn(rows, 256).to(dtype)
+        exact = x.double() @ exact_weight.t() + weight.bias.double()
+        got = weight.matmul(x)
+        assert got.dtype == dtype and got.shape == (rows, 48)
+        errors[rows, dtype] = float((got.double() - exact).norm() / exact.norm())
+    assert calls == [("int8", long_rows - 1), ("bfloat16", 48), ("int8", long_rows)]
+    # bfloat16 weights and results (2^-9 each) against rows rounded to int8 per block of 32 (about 2^-8)
+    assert errors[long_rows, torch.bfloat16] < 0.6 * errors[long_rows - 1, torch.bfloat16]
+    assert max(errors.values()) < 0.02
 
 
 @needs_bf16

@@ -183,6 +183,61 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
     for (int t = 0; t < T; ++t) _mm512_storeu_ps(acc + (r * T + t) * kTile, sums[r][t]);
 }
 
+// ---- int8 tiles to bfloat16 rows -----------------------------------------------------------------
+//
+// Where AMX multiplies bfloat16 (oneDNN, through torch), a prompt's product is faster as the tiles made
+// bfloat16 again (w * d_w, rounded to nearest even) and multiplied by the rows as they come than on
+// vpdpbusd (docs/service.md has the figures): vlserve.kernels.quantized does that from a few hundred
+// rows on, one layer's matrix at a time.
+
+// Tiles t0..t1 into rows of `out` (outputs x groups * 32). A block's eight lines are a matrix of 8 x 16
+// four-byte pieces (line l, output o: o's inputs 4l..4l+3); transposed in registers, each output's 32
+// inputs are one 256-bit half, widened, scaled and rounded to bfloat16 by vcvtne2ps2bf16 (to nearest
+// even, as torch rounds finite values), and written as one line.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tiles_to_bf16(const uint8_t* tiles, int64_t t0,
+                                                                          int64_t t1, int64_t groups,
+                                                                          int64_t outputs, at::BFloat16* out) {
+  const int64_t k = groups * kBlock;
+  alignas(64) float dws[kTile];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t rows_here = std::min(kTile, outputs - t * kTile);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* block = tiles + (t * groups + g) * kStep;
+      _mm512_store_ps(dws, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + kLines * 64))));
+      __m512i r[kLines], pairs[kLines], quads[kLines];
+      for (int l = 0; l < kLines; ++l)
+        r[l] = _mm512_xor_si512(_mm512_loadu_si512(block + 64 * l), _mm512_set1_epi8((char)0x80));  // w + 128 -> w
+      for (int l = 0; l < kLines; l += 2) {
+        pairs[l] = _mm512_unpacklo_epi32(r[l], r[l + 1]);  // a 128-bit lane q: l, l+1 of outputs 4q, 4q + 1
+        pairs[l + 1] = _mm512_unpackhi_epi32(r[l], r[l + 1]);  // ... of outputs 4q + 2, 4q + 3
+      }
+      for (int h = 0; h < 2; ++h)  // lines 0-3 (h = 0) and 4-7 of output 4q + j in quads[4h + j]'s lane q
+        for (int j = 0; j < 2; ++j) {
+          quads[4 * h + j] = _mm512_unpacklo_epi64(pairs[4 * h + j], pairs[4 * h + 2 + j]);
+          quads[4 * h + 2 + j] = _mm512_unpackhi_epi64(pairs[4 * h + j], pairs[4 * h + 2 + j]);
+        }
+      // quads[0] = [o0 | o4 | o8 | o12] lines 0-3 (o1.. in quads[2], o2 in quads[1], o3 in quads[3])
+      const int order[4] = {0, 2, 1, 3};  // quads index of output 4q + j, lines 0-3
+      for (int j = 0; j < 4; ++j) {
+        const __m512i low = quads[order[j]], high = quads[4 + order[j]];
+        // [low.q0 high.q0 low.q1 high.q1] and [low.q2 high.q2 low.q3 high.q3]: outputs j, 4 + j | 8 + j, 12 + j
+        const __m512i front = _mm512_permutex2var_epi64(low, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), high);
+        const __m512i back = _mm512_permutex2var_epi64(low, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), high);
+        for (int half = 0; half < 4; ++half) {
+          const int64_t o = 4 * half + j;
+          if (o >= rows_here) continue;
+          const __m512i both = half < 2 ? front : back;
+          const __m256i bytes = half % 2 == 0 ? _mm512_castsi512_si256(both) : _mm512_extracti64x4_epi64(both, 1);
+          const __m512 d = _mm512_set1_ps(dws[o]);
+          const __m512 first = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes))), d);
+          const __m512 second = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1))), d);
+          _mm512_storeu_si512(out + (t * kTile + o) * k + g * kBlock, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+        }
+      }
+    }
+  }
+}
+
 // ---- AVX2 ---------------------------------------------------------------------------------------
 
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
@@ -406,9 +461,40 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& tiles, const c10::op
   return product<float>(x.to(at::kFloat).contiguous(), tiles, pb, outputs, isa);
 }
 
+// `into`, where given, holds the result in its first outputs x inputs values (a buffer the caller keeps:
+// a fresh 50 MB tensor a call is page faults and zeroing by the kernel each time).
+at::Tensor q8_bfloat16(const at::Tensor& tiles, int64_t outputs, int64_t inputs, const c10::optional<at::Tensor>& into) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512bf16"),
+              "q8_bfloat16: this CPU lacks AVX-512 BF16");
+  TORCH_CHECK(inputs >= kBlock && inputs % kBlock == 0, "q8_bfloat16: inputs must come in blocks of ", kBlock);
+  TORCH_CHECK(outputs >= 1 && tiles.dim() == 2 && tiles.size(0) == (outputs + kTile - 1) / kTile &&
+                  tiles.size(1) == inputs / kBlock * kStep && tiles.scalar_type() == at::kByte && tiles.is_contiguous(),
+              "q8_bfloat16: tiles must be contiguous uint8 of shape (", (outputs + kTile - 1) / kTile, ", ",
+              inputs / kBlock * kStep, ")");
+  at::Tensor out;
+  if (into.has_value() && into->defined()) {
+    TORCH_CHECK(into->scalar_type() == at::kBFloat16 && into->is_contiguous() && into->numel() >= outputs * inputs,
+                "q8_bfloat16: `into` must be contiguous bfloat16 of at least ", outputs * inputs, " values");
+    out = into->view({-1}).narrow(0, 0, outputs * inputs).view({outputs, inputs});
+  } else {
+    out = at::empty({outputs, inputs}, tiles.options().dtype(at::kBFloat16));
+  }
+  at::BFloat16* po = out.data_ptr<at::BFloat16>();
+  const uint8_t* w = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles.size(0), 1, [&](int64_t t0, int64_t t1) {
+    tiles_to_bf16(w, t0, t1, inputs / kBlock, outputs, po);
+  });
+  return out;
+}
+
 }  // namespace vlserve
 
 TORCH_LIBRARY_FRAGMENT(vlserve, lib) {
   lib.def("q8_linear(Tensor x, Tensor tiles, Tensor? bias, int outputs, str isa) -> Tensor");
+  lib.def("q8_bfloat16(Tensor tiles, int outputs, int inputs, Tensor? into=None) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(vlserve, CPU, lib) { lib.impl("q8_linear", vlserve::q8_linear); }
+TORCH_LIBRARY_IMPL(vlserve, CPU, lib) {
+  lib.impl("q8_linear", vlserve::q8_linear);
+  lib.impl("q8_bfloat16", vlserve::q8_bfloat16);
+}

@@ -183,13 +183,13 @@ def plan_prefill_dtype(cpu: dict[str, Any], dtype: str, quantize: str = "none") 
             "quantize=int8: prompts on the int8 weights through torch's weight-only kernel (not measured on Arm)",
         )
     if quantize == "int8":
-        return "int8", "quantize=int8: prompts run on the int8 weights themselves (no copy)"
+        return "int8", "quantize=int8: prompts run on the int8 weights themselves (no copy)" + amx_int8_why(cpu)
     if quantize == "int4":
         if int8_products(cpu):
             return (
                 "int8",
                 "quantize=int4: an int8 copy for prompts, mapped from the weight cache: int4 prompts doubled the "
-                "answers' KL divergence (0.070 against 0.039 nats, docs/quantization.md)",
+                "answers' KL divergence (0.070 against 0.039 nats, docs/quantization.md)" + amx_int8_why(cpu),
             )
         return "int4", "quantize=int4: prompts on the int4 weights (int8 products are not fast here)"
     return _compute_dtype(
@@ -220,7 +220,22 @@ def _compute_dtype(cpu: dict[str, Any], dtype: str, quantize: str, *, work: str,
         return chosen[0], chosen[1] + "; not int8: its int8 products are vlserve's x86 kernels"
     if not int8_products(cpu):
         return chosen[0], chosen[1] + "; not int8: no AVX2 (int8 would be slower)"
-    return "int8", "quantize=%s: %s through dynamic int8 products (numerics change)" % (
+    return "int8", "quantize=%s: %s through dynamic int8 products (numerics change)%s" % (
         quantize,
         work,
+        amx_int8_why(cpu),
     )
+
+
+def amx_int8_why(cpu: dict[str, Any]) -> str:
+    """How the int8 weights multiply many rows on an AMX CPU (a clause to append), else "".
+
+    There oneDNN's bfloat16 products on AMX tiles outrun vpdpbusd's int8 ones, so from 128 rows on
+    (vlserve.kernels.native.AMX_PROMPT_ROWS) each layer's int8 weight is made bfloat16 for the call and
+    the rows, unrounded, go through oneDNN: on a 2-core Xeon with AMX, 720 x 1024 x 4096 took 3.1-3.2 ms
+    against 7.2-7.5 on vpdpbusd (2.8 with a bfloat16 weight), and a first turn's forward (a 480x384
+    image, 403 tokens) took int8 1.69-1.74 s (before: 2.70-2.81), int4 1.68-1.80 (2.72-2.83), the
+    exact level 1.64-1.69 (2026-12-05, docs/quantization.md)."""
+    if is_arm(cpu) or not cpu["isa"].get("amx_bf16"):
+        return ""
+    return "; on AMX, from 128 rows as bfloat16 products of the int8 weights made bfloat16 a layer at a time"
