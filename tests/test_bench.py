@@ -6,6 +6,7 @@ Speed claims live in `vlserve bench-compare` and `vlserve bench-peer` runs (docs
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import httpx
@@ -279,6 +280,21 @@ def test_the_peer_benchmark_caps_llama_servers_images_at_the_tokens_a_worker_spe
     answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
     assert image_tokens(tiny_model, (1280, 720)) == answer["usage"]["image_tokens"] > 0
     assert image_tokens(tiny_model, None) == 0
+
+
+def test_the_peer_benchmark_finds_the_files_a_worker_maps(server, tmp_path):
+    """bench-peer warms the files a level's workers mapped at their first start, as it warms
+    llama-server's GGUF files: read from /proc/PID/maps, only while they are mapped."""
+    import mmap  # noqa: PLC0415
+
+    from vlserve.bench.servers import mapped_files  # noqa: PLC0415
+
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * 8192)
+    with weights.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ):
+        assert weights in mapped_files(os.getpid())
+    assert weights not in mapped_files(os.getpid())
+    assert any(path.name.startswith("libtorch") for path in mapped_files(server.process.pid))
 
 
 def test_each_peer_load_sends_photos_no_cache_of_the_worker_has_seen(tiny_model, server):

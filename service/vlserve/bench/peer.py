@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlserve.bench.loadgen import LoadSpec, MemoryWatch, run_load, single_requests
-from vlserve.bench.servers import ServerProcess, free_port, start_plan_workers, warm_page_cache
+from vlserve.bench.servers import (
+    ServerProcess,
+    free_port,
+    mapped_files,
+    start_plan_workers,
+    warm_files,
+    warm_page_cache,
+)
 from vlserve.bench.workload import Workload
 
 SCHEMA = "vlserve.bench-peer/1"
@@ -332,8 +339,11 @@ def _plan(level: str) -> dict:
     return sizing.plan(sizing.probe(), sizing.Policy(quantize=level))
 
 
-def run_vlserve(options: PeerOptions, level: str) -> dict:
+def run_vlserve(options: PeerOptions, level: str, served_files: set[Path]) -> dict:
+    """`served_files`: what the level's workers mapped at their first start (checkpoint, weight cache,
+    libraries), read into the page cache first as llama-server's GGUF files are."""
     warm_page_cache(options.model)
+    warm_files(sorted(served_files))
     servers = start_plan_workers(options.model, _plan(level), extra=COMMON | {"threads": str(options.threads)})
     try:
         pids = [server.process.pid for server in servers]
@@ -358,8 +368,7 @@ def run_llama(options: PeerOptions, build: dict, files: dict[str, Path], kind: s
     figures: dict = {"loads": {}}
     peaks = []
     for clients in options.concurrency:
-        for path in (files[kind], files["mmproj"]):
-            warm_page_cache_file(path)
+        warm_files((files[kind], files["mmproj"]))
         server = LlamaServer(
             build["server"], files[kind], files["mmproj"], threads=options.threads, slots=clients, image_tokens=tokens
         )
@@ -379,12 +388,6 @@ def run_llama(options: PeerOptions, build: dict, files: dict[str, Path], kind: s
     return figures
 
 
-def warm_page_cache_file(path: Path) -> None:
-    with path.open("rb") as handle:
-        while handle.read(64 * 2**20):
-            pass
-
-
 def bench_peer(options: PeerOptions) -> dict:
     def say(message: str) -> None:
         _say(options, message)
@@ -395,11 +398,13 @@ def bench_peer(options: PeerOptions) -> dict:
     tokens = image_tokens(options.model, options.image_size)
     # As the GGUF files are made before any timing, so is each level's weight cache (and vlserve's
     # kernels): a first start that rounds the weights is a deployment step, not a start.
-    first_starts = {}
+    first_starts, served_files = {}, {}
     for level in dict.fromkeys(pair.split("/")[0] for pair in options.pairs):
         say("first start of vlserve %s (weight cache, kernels), untimed" % level)
         started = time.perf_counter()
+        served_files[level] = set()
         for server in start_plan_workers(options.model, _plan(level), extra=COMMON):
+            served_files[level] |= mapped_files(server.process.pid)
             server.stop()
         first_starts[level] = round(time.perf_counter() - started, 1)
     rounds: list[dict] = []
@@ -407,7 +412,7 @@ def bench_peer(options: PeerOptions) -> dict:
         measured: dict = {}
         for pair in options.pairs:
             level = pair.split("/")[0]
-            sides = [("vlserve", lambda level=level: run_vlserve(options, level)),
+            sides = [("vlserve", lambda level=level: run_vlserve(options, level, served_files[level])),
                      ("llama", lambda pair=pair: run_llama(options, build, files, PAIRS[pair], tokens))]  # fmt: skip
             if index % 2:  # who goes first alternates, so neither always meets a cooler machine
                 sides.reverse()
