@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -75,6 +77,29 @@ def test_live_probe_agrees_with_proc_meminfo(live):
     # MemAvailable moves while the tests run; a few hundred MiB is noise, not disagreement.
     assert abs(live["memory"]["available_bytes"] - meminfo_bytes("MemAvailable")) < 512 * sizing.MIB
     assert live["limits"]["affinity"] == sorted(os.sched_getaffinity(0))
+
+
+def test_a_worker_s_openmp_binding_does_not_shrink_the_probe():
+    """A worker's environment binds OpenMP threads to places: libgomp then pins the first thread to the
+    first place as torch loads, so the thread's own mask shows one CPU. The probe must still see every
+    CPU the process started on, or a bench run in that environment plans (and runs) one thread."""
+    started = sorted(os.sched_getaffinity(0))
+    if len(started) < 2:
+        pytest.skip("one CPU: a binding cannot narrow it")
+    script = (
+        "import json, os, vlserve, torch\n"
+        "from vlserve import sizing\n"
+        "torch.ones(1 << 20).sum()\n"  # a parallel region: the runtime is up and has placed its threads
+        "print(json.dumps([sorted(os.sched_getaffinity(0))]"
+        " + [sizing.probe(use_libraries=u)['limits']['allowed_cpus'] for u in (True, False)]))\n"
+    )
+    places = ",".join("{%d}" % cpu for cpu in started)
+    env = dict(os.environ, OMP_PROC_BIND="close", OMP_PLACES=places, OMP_NUM_THREADS=str(len(started)))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    thread_mask, with_libraries, from_files = json.loads(out.stdout.splitlines()[-1])
+    assert thread_mask == started[:1], "the runtime did not bind the first thread: nothing was tested"
+    online = {entry["cpu"] for entry in sizing.probe()["cpu"]["topology"]}
+    assert with_libraries == from_files == sorted(online.intersection(started))
 
 
 def test_library_and_file_sources_agree(live):

@@ -24,6 +24,12 @@ try:  # Optional: present in the venv, absent on a never-provisioned host.
 except ImportError:  # pragma: no cover - exercised on bare targets
     psutil = None
 
+try:  # The CPUs this process started on (see vlserve/__init__.py); absent where this package runs on
+    # its own, as the facts role's module_utils, in a process that never loads an OpenMP runtime.
+    from vlserve import LAUNCH_AFFINITY
+except ImportError:  # pragma: no cover - exercised by the facts role on its targets
+    LAUNCH_AFFINITY = None
+
 # ISA features the planner cares about, by their /proc/cpuinfo names: x86 flags, then aarch64
 # Features (dot product, BF16, int8 matrix multiply, SVE).
 ISA_FLAGS = (
@@ -311,7 +317,11 @@ def _probe_limits(tree: _Tree, libraries: bool, cpu: dict[str, Any], sources: di
             "/sys/fs/cgroup/memory" + _ancestors(own.get("memory", "/"))[0] + "/memory.usage_in_bytes"
         )
 
-    if libraries and hasattr(os, "sched_getaffinity"):
+    if tree.live and LAUNCH_AFFINITY is not None:
+        # Not this thread's mask now: an OpenMP runtime may have bound it to one place since.
+        affinity = sorted(LAUNCH_AFFINITY)
+        sources["affinity"] = "sched_getaffinity at start"
+    elif libraries and hasattr(os, "sched_getaffinity"):
         affinity = sorted(os.sched_getaffinity(0))
         sources["affinity"] = "sched_getaffinity"
     else:
