@@ -78,7 +78,7 @@ def test_the_int8_product_is_its_q8_0_reference_on_every_tier(ops, tier, shape, 
     values, scales = quantize_blocks(torch.randn(outputs, inputs) * torch.rand(outputs, 1), torch.float16)
     tiles = q8_tiles(values, scales)
     for bias in (None, torch.randn(outputs)):
-        for rows in (1, 2, 3, 4, 9, 37):
+        for rows in (1, 2, 3, 4, 6, 9, 37):
             x = torch.randn(rows, inputs) * torch.logspace(-3, 3, rows)[:, None]
             if rows > 2:
                 x[1] = 0
@@ -111,8 +111,9 @@ def test_every_tier_gives_the_same_bits(ops):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompts_int8_rows_are_the_bits_each_row_gets_alone(ops, tier, dtype):
     """Many rows take another path than a decode step's few (on AVX-512: more tiles and fewer rows a
-    pass), with the same sums in the same order: a token's result does not depend on how many rows came
-    with it, so what quant-check measures on prompts holds for decode steps."""
+    pass), and a decode step's rows stream as many tiles at once as their count leaves registers for,
+    with the same sums in the same order: a token's result does not depend on how many rows came with
+    it, so what quant-check measures on prompts holds for decode steps."""
     torch.manual_seed(11)
     outputs, inputs = 13 * 16 + 5, 24 * 32  # an odd number of tiles, the last one part empty
     values, scales = quantize_blocks(torch.randn(outputs, inputs) * torch.rand(outputs, 1), torch.float16)
@@ -121,7 +122,8 @@ def test_a_prompts_int8_rows_are_the_bits_each_row_gets_alone(ops, tier, dtype):
     x[3] = 0
     for b in (None, bias):
         alone = torch.cat([ops.q8_linear(x[row : row + 1], tiles, b, outputs, tier) for row in range(x.shape[0])])
-        assert torch.equal(ops.q8_linear(x, tiles, b, outputs, tier), alone)
+        for count in (2, 4, 5, 7, x.shape[0]):
+            assert torch.equal(ops.q8_linear(x[:count], tiles, b, outputs, tier), alone[:count])
 
 
 def test_the_int8_product_refuses_what_it_cannot_multiply(ops):

@@ -47,8 +47,7 @@ constexpr int64_t kBlock = 32;                       // inputs per scale
 constexpr int64_t kTile = 16;                        // outputs per tile
 constexpr int64_t kLines = 8;                        // 64-byte lines per tile and block
 constexpr int64_t kStep = kLines * 64 + kTile * 2;   // bytes per tile and block: lines, then fp16 scales
-constexpr int64_t kRows = 8;                         // rows multiplied per pass over a tile (AVX-512)
-constexpr int64_t kRowsAvx2 = 4;                     // the same on AVX2, which has half the registers
+constexpr int64_t kRowsAvx2 = 4;                     // rows multiplied per pass over a tile on AVX2
 constexpr int64_t kTilesPerTask = 4;                 // tiles a thread takes at a time (64 outputs)
 constexpr int64_t kPrefetch = 4;                     // blocks ahead that each tile's stream is prefetched
 constexpr int kPromptRows = 4;                       // rows_avx512's rows per pass (6 x 2 and 4 x 3: no faster)
@@ -110,43 +109,56 @@ __attribute__((target("avx512f,avx512bw"))) void round_row_avx512(const T* x, in
   }
 }
 
-// R rows times one tile (16 outputs), every block, into `acc` (R x 16). The tile's lines are loaded
-// once per block for all R rows; two chains of vpdpbusd per row halve the wait on its latency.
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const uint8_t* w, int64_t groups,
-                                                                         const int8_t* q, int64_t k,
-                                                                         const float* scale,
-                                                                         const int32_t* shifted_sum, float* acc) {
-  __m512 sums[R];
-  for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_ps();
+// R rows times S tiles (16 outputs each, anywhere in the weights: `w[0..S)`), every block, into `acc`
+// (S x R x 16). Each tile's lines are loaded once per block for all R rows; two chains of vpdpbusd per
+// row halve the wait on its latency. The S tiles are S streams of weights read at once: one stream a
+// thread left the memory idle while the core multiplied (on a 2-vCPU Xeon with AMX, 13 GB/s a thread
+// where a plain read takes 17, which is the read's time plus the in-cache multiply's, not the larger of
+// the two); four streams read 16 GB/s, within 5% of the plain read (docs/benchmarks.md has the runs).
+// Every tile's sums are the same whatever tiles come with it.
+template <int R, int S>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const uint8_t* const* w, int64_t groups,
+                                                                          const int8_t* q, int64_t k,
+                                                                          const float* scale,
+                                                                          const int32_t* shifted_sum, float* acc) {
+  __m512 sums[S][R];
+  for (int t = 0; t < S; ++t)
+    for (int r = 0; r < R; ++r) sums[t][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = w + g * kStep;
-    for (int64_t line = 0; line < kStep; line += 64) _mm_prefetch((const char*)(p + kPrefetch * kStep + line), _MM_HINT_T0);
-    __m512i v[kLines];
-    for (int l = 0; l < kLines; ++l) v[l] = _mm512_loadu_si512(p + 64 * l);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + kLines * 64)));
-    for (int r = 0; r < R; ++r) {
-      const int32_t* a = (const int32_t*)(q + r * k + g * kBlock);
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-      for (int l = 0; l < kLines; l += 2) {
-        even = _mm512_dpbusd_epi32(even, v[l], _mm512_set1_epi32(a[l]));
-        odd = _mm512_dpbusd_epi32(odd, v[l + 1], _mm512_set1_epi32(a[l + 1]));
+    for (int t = 0; t < S; ++t) {
+      const uint8_t* p = w[t] + g * kStep;
+      for (int64_t line = 0; line < kStep; line += 64) _mm_prefetch((const char*)(p + kPrefetch * kStep + line), _MM_HINT_T0);
+      __m512i v[kLines];
+      for (int l = 0; l < kLines; ++l) v[l] = _mm512_loadu_si512(p + 64 * l);
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + kLines * 64)));
+      for (int r = 0; r < R; ++r) {
+        const int32_t* a = (const int32_t*)(q + r * k + g * kBlock);
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        for (int l = 0; l < kLines; l += 2) {
+          even = _mm512_dpbusd_epi32(even, v[l], _mm512_set1_epi32(a[l]));
+          odd = _mm512_dpbusd_epi32(odd, v[l + 1], _mm512_set1_epi32(a[l + 1]));
+        }
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(shifted_sum[r * groups + g]));
+        const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(scale[r * groups + g]));
+        sums[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, sums[t][r]);
       }
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(shifted_sum[r * groups + g]));
-      const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(scale[r * groups + g]));
-      sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, sums[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kTile, sums[r]);
+  for (int t = 0; t < S; ++t)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (t * R + r) * kTile, sums[t][r]);
 }
+
+// Tiles streamed at once for `rows` rows: what the 32 registers hold beside a tile's 8 lines (S x R sums).
+constexpr int streams_for(int rows) { return rows <= 4 ? 4 : 2; }
+constexpr int kMaxStreams = 4;
 
 // A prompt's M rows times T adjacent tiles (16T outputs), every block, into `acc` (M x 16T). Each
 // row's four inputs, broadcast once, meet T tiles' lines and each line, loaded once, meets M rows: 48
-// loads for 64 vpdpbusd at 4 x 2, where tile_avx512's eight rows over one tile take 72 for 64 and
+// loads for 64 vpdpbusd at 4 x 2, where tiles_avx512's eight rows over one tile take 72 for 64 and
 // reach about half the VNNI peak on prompts (Zen 5, one core, in L2: 800 against 575 GOPS; the op on
 // real-size shapes 1.4 against 1.15 TOPS on two). What bounds it now is the Q8_0 epilogue (convert,
 // scale, fma a row, tile and block) on the pipes vpdpbusd uses. A row's integer sum starts at
-// -128 * sum(q) instead of subtracting it after; the float operations are tile_avx512's, in its
+// -128 * sum(q) instead of subtracting it after; the float operations are tiles_avx512's, in its
 // order: the same bits for a row whichever path multiplies it.
 template <int M, int T>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* w, int64_t tile_bytes,
@@ -343,20 +355,23 @@ RoundedRows round_rows(const T* x, int64_t m, int64_t k, Isa isa) {
   return rows;
 }
 
-// R rows times one tile into acc (R x 16).
+// AVX2: R rows times one tile into acc (R x 16).
 template <int R>
-void tile(Isa isa, const uint8_t* w, int64_t groups, const RoundedRows& rows, int64_t r0, int64_t k, float* acc) {
-  const int8_t* q = rows.q.data() + r0 * k;
-  const float* scale = rows.scale.data() + r0 * groups;
-  if (isa == Isa::kAvx512Vnni)
-    tile_avx512<R>(w, groups, q, k, scale, rows.shifted_sum.data() + r0 * groups, acc);
-  else
-    tile_avx2<R>(w, groups, q, rows.magnitude.data() + r0 * k, k, scale, acc);
+void tile_rows_avx2(const uint8_t* w, int64_t groups, const RoundedRows& rows, int64_t r0, int64_t k, float* acc) {
+  tile_avx2<R>(w, groups, rows.q.data() + r0 * k, rows.magnitude.data() + r0 * k, k, rows.scale.data() + r0 * groups,
+               acc);
 }
+using Avx2Fn = void (*)(const uint8_t*, int64_t, const RoundedRows&, int64_t, int64_t, float*);
+constexpr Avx2Fn kAvx2Fns[kRowsAvx2 + 1] = {nullptr, tile_rows_avx2<1>, tile_rows_avx2<2>, tile_rows_avx2<3>,
+                                            tile_rows_avx2<4>};
 
-using TileFn = void (*)(Isa, const uint8_t*, int64_t, const RoundedRows&, int64_t, int64_t, float*);
-// Rows per pass: 8 on AVX-512 (32 registers), 4 on AVX2 (16).
-constexpr TileFn kTileFns[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+// AVX-512 VNNI, a decode step's R rows (fewer than kPromptFrom): one tile alone, or streams_for(R) together.
+using StreamsFn = void (*)(const uint8_t* const*, int64_t, const int8_t*, int64_t, const float*, const int32_t*,
+                           float*);
+template <int R>
+constexpr StreamsFn kStreamFns[2] = {tiles_avx512<R, 1>, tiles_avx512<R, streams_for(R)>};
+constexpr const StreamsFn* kDecodeFns[kPromptFrom] = {nullptr,         kStreamFns<1>, kStreamFns<2>, kStreamFns<3>,
+                                                      kStreamFns<4>,   kStreamFns<5>, kStreamFns<6>, kStreamFns<7>};
 
 using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, const float*, const int32_t*,
                        float*);
@@ -414,23 +429,48 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& tiles, const float* bi
     prompt_product(rows, m, k, w, tile_count, bias, outputs, po);
     return out;
   }
-  const int64_t tile_bytes = groups * kStep, step = isa == Isa::kAvx512Vnni ? kRows : kRowsAvx2;
-  // Threads take 64 outputs at a time and run every row over each tile of them in turn: the tile's
-  // 17 KB a block of 512 inputs stays in the core's cache while the rows go by, `step` at a time.
-  at::parallel_for(0, (tile_count + kTilesPerTask - 1) / kTilesPerTask, 1, [&](int64_t p0, int64_t p1) {
-    float acc[kRows * kTile];
-    for (int64_t t = p0 * kTilesPerTask; t < std::min(tile_count, p1 * kTilesPerTask); ++t) {
-      const int64_t n0 = t * kTile, n1 = std::min(outputs, n0 + kTile);
-      for (int64_t r0 = 0; r0 < m; r0 += step) {
-        const int rows_here = (int)std::min(step, m - r0);
-        kTileFns[rows_here](isa, w + t * tile_bytes, groups, rows, r0, k, acc);
-        for (int r = 0; r < rows_here; ++r)
-          for (int64_t n = n0; n < n1; ++n) {
-            const float y = acc[r * kTile + (n - n0)];
-            po[(r0 + r) * outputs + n] = T(bias ? y + bias[n] : y);
-          }
+  const int64_t tile_bytes = groups * kStep;
+  // R rows' results for tile t, from acc (R x 16), into the outputs.
+  auto store = [&](int64_t t, int64_t r0, int rows_here, const float* acc) {
+    const int64_t n0 = t * kTile, n1 = std::min(outputs, n0 + kTile);
+    for (int r = 0; r < rows_here; ++r)
+      for (int64_t n = n0; n < n1; ++n) {
+        const float y = acc[r * kTile + (n - n0)];
+        po[(r0 + r) * outputs + n] = T(bias ? y + bias[n] : y);
       }
-    }
+  };
+  if (isa == Isa::kAvx512Vnni) {
+    // Threads take 64 outputs at a time; each splits its tiles into S runs and streams the runs' i-th
+    // tiles together, every row (fewer than kPromptFrom) in one pass.
+    const StreamsFn* fns = kDecodeFns[m];
+    const int streams = streams_for((int)m);
+    at::parallel_for(0, (tile_count + kTilesPerTask - 1) / kTilesPerTask, 1, [&](int64_t p0, int64_t p1) {
+      float acc[kMaxStreams * kPromptFrom * kTile];
+      const uint8_t* w_at[kMaxStreams];
+      const int64_t t0 = p0 * kTilesPerTask, t1 = std::min(tile_count, p1 * kTilesPerTask), run = (t1 - t0) / streams;
+      for (int64_t i = 0; i < run; ++i) {
+        for (int s = 0; s < streams; ++s) w_at[s] = w + (t0 + s * run + i) * tile_bytes;
+        fns[1](w_at, groups, rows.q.data(), k, rows.scale.data(), rows.shifted_sum.data(), acc);
+        for (int s = 0; s < streams; ++s) store(t0 + s * run + i, 0, (int)m, acc + s * m * kTile);
+      }
+      for (int64_t t = t0 + streams * run; t < t1; ++t) {  // the rest, one at a time
+        w_at[0] = w + t * tile_bytes;
+        fns[0](w_at, groups, rows.q.data(), k, rows.scale.data(), rows.shifted_sum.data(), acc);
+        store(t, 0, (int)m, acc);
+      }
+    });
+    return out;
+  }
+  // AVX2: threads take 64 outputs at a time and run every row over each tile of them in turn: the tile's
+  // 17 KB a block of 512 inputs stays in the core's cache while the rows go by, kRowsAvx2 at a time.
+  at::parallel_for(0, (tile_count + kTilesPerTask - 1) / kTilesPerTask, 1, [&](int64_t p0, int64_t p1) {
+    float acc[kRowsAvx2 * kTile];
+    for (int64_t t = p0 * kTilesPerTask; t < std::min(tile_count, p1 * kTilesPerTask); ++t)
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsAvx2) {
+        const int rows_here = (int)std::min(kRowsAvx2, m - r0);
+        kAvx2Fns[rows_here](w + t * tile_bytes, groups, rows, r0, k, acc);
+        store(t, r0, rows_here, acc);
+      }
   });
   return out;
 }
