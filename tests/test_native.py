@@ -443,9 +443,9 @@ def test_torch_held_to_avx2_loads_the_avx2_tier(tmp_path):
 def test_the_int4_kernel_sums_the_rounded_weights_and_inputs(ops, rows, dtype):
     """Its result is the float64 sum of what it rounds: the weights' levels, scales and lows (bfloat16),
     the inputs in int8 blocks of 32; a decode step's rows (up to 4) or a prompt's (8 a pass, and the
-    rest), over blocks of 64 outputs; in the rows' dtype."""
+    rest), over blocks of 64 outputs (enough that each thread streams several together); in the rows' dtype."""
     torch.manual_seed(rows)
-    outputs, inputs = 192, 6 * INT4_GROUP
+    outputs, inputs = 11 * 64, 6 * INT4_GROUP
     levels, scales, lows = int4_groups(torch.randn(outputs, inputs) * torch.rand(outputs, 1), INT4_GROUP)
     x = (torch.randn(rows, inputs) * torch.logspace(-2, 2, inputs)).to(dtype)
     blocks, block_scales = quantize_blocks(x.float())
@@ -462,14 +462,16 @@ def test_the_int4_kernel_sums_the_rounded_weights_and_inputs(ops, rows, dtype):
 @needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompts_int4_rows_are_the_bits_each_row_gets_alone(ops, dtype):
-    """The prompt path (more than 4 rows) adds each row's sums in the decode path's order: a token's
-    result does not depend on how many rows came with it."""
+    """The prompt path (more than 4 rows) adds each row's sums in the decode path's order, and a decode
+    step's rows stream as many blocks at once as their count leaves registers for: a token's result does
+    not depend on how many rows came with it."""
     torch.manual_seed(7)
-    outputs, inputs = 128, 8 * INT4_GROUP
+    outputs, inputs = 11 * 64, 8 * INT4_GROUP
     blocks = int4_blocks(*int4_groups(torch.randn(outputs, inputs), INT4_GROUP))
     x = torch.randn(21, inputs).to(dtype)
     alone = torch.cat([ops.int4_linear(x[row : row + 1], blocks) for row in range(x.shape[0])])
-    assert torch.equal(ops.int4_linear(x, blocks), alone)
+    for count in (2, 3, 4, x.shape[0]):
+        assert torch.equal(ops.int4_linear(x[:count], blocks), alone[:count])
 
 
 @needs_avx512

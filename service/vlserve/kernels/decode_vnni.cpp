@@ -146,31 +146,55 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void add_row(__m51
   acc = _mm512_fmadd_ps(tile.zero, _mm512_set1_ps(sq), acc);
 }
 
-// One block of 64 outputs for M (1 to 4) rows, whose inputs are `k` apart; outputs `ldo` apart: a
-// decode step's, streamed group by group. Each tile is unpacked once for all the rows (a step of 4
-// sequences took 84.2 ms against 89.2 when each row re-masked it: real-size int4, 3 alternating runs).
-template <int M, typename O>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_block(const uint8_t* w, int64_t groups,
-                                                                        const int8_t* q, const float* xs,
-                                                                        const float* xsum, int64_t k, O* out,
-                                                                        int64_t ldo) {
-  __m512 acc[kTiles][M];
-  for (int t = 0; t < kTiles; ++t)
-    for (int r = 0; r < M; ++r) acc[t][r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, w += kBlockStep) {
-    // Every line of the group two ahead: two lines a group (the hardware prefetcher left the rest)
-    // read 16-20 GB/s where this reads 18-24, about the int8 product's rate (interleaved runs).
-    for (int64_t line = 0; line < kBlockStep; line += 64)
-      _mm_prefetch((const char*)(w + 2 * kBlockStep + line), _MM_HINT_T0);
-    for (int t = 0; t < kTiles; ++t) {
-      const Int4Tile tile = unpack(w + t * kTileBytes, w + kTiles * kTileBytes + t * kParamBytes);
-      for (int r = 0; r < M; ++r)
-        add_row(acc[t][r], tile, q + r * k + g * kGroup, xs[r * groups + g], xsum[r * groups + g]);
+// S blocks of 64 outputs each (anywhere in the weights: `w[0..S)`, results at `out[0..S)`) for M (1 to
+// 4) rows, whose inputs are `k` apart; outputs `ldo` apart: a decode step's, streamed group by group.
+// Each tile is unpacked once for all the rows (a step of 4 sequences took 84.2 ms against 89.2 when each
+// row re-masked it: real-size int4, 3 alternating runs). The S blocks are S streams of weights read at
+// once, as q8.cpp's decode product streams its tiles: one stream a thread leaves the memory idle while
+// the core unpacks and multiplies. Each block's sums are the same whatever blocks come with it.
+template <int M, int S, typename O>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_blocks(const uint8_t* const* w, int64_t groups,
+                                                                         const int8_t* q, const float* xs,
+                                                                         const float* xsum, int64_t k, O* const* out,
+                                                                         int64_t ldo) {
+  __m512 acc[S][kTiles][M];
+  for (int b = 0; b < S; ++b)
+    for (int t = 0; t < kTiles; ++t)
+      for (int r = 0; r < M; ++r) acc[b][t][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int b = 0; b < S; ++b) {
+      const uint8_t* wg = w[b] + g * kBlockStep;
+      // Every line of the group two ahead: two lines a group (the hardware prefetcher left the rest)
+      // read 16-20 GB/s where this reads 18-24, about the int8 product's rate (interleaved runs).
+      for (int64_t line = 0; line < kBlockStep; line += 64)
+        _mm_prefetch((const char*)(wg + 2 * kBlockStep + line), _MM_HINT_T0);
+      for (int t = 0; t < kTiles; ++t) {
+        const Int4Tile tile = unpack(wg + t * kTileBytes, wg + kTiles * kTileBytes + t * kParamBytes);
+        for (int r = 0; r < M; ++r)
+          add_row(acc[b][t][r], tile, q + r * k + g * kGroup, xs[r * groups + g], xsum[r * groups + g]);
+      }
     }
   }
-  for (int t = 0; t < kTiles; ++t)
-    for (int r = 0; r < M; ++r) store16(acc[t][r], out + r * ldo + t * kBlock);
+  for (int b = 0; b < S; ++b)
+    for (int t = 0; t < kTiles; ++t)
+      for (int r = 0; r < M; ++r) store16(acc[b][t][r], out[b] + r * ldo + t * kBlock);
 }
+
+// Blocks streamed at once by M rows: four for one row (16 sums); two for more, though four rows' 32
+// sums then leave the registers (2-vCPU AMX Xeon, an up projection's blocks: one row 21-22 GB/s with
+// one stream, 26-27 with two or four; four rows 17 with one, 21-22 with two or four).
+constexpr int int4_streams(int m) { return m == 1 ? 4 : 2; }
+constexpr int kMaxInt4Streams = 4;
+
+template <typename O>
+using Int4Fn = void (*)(const uint8_t* const*, int64_t, const int8_t*, const float*, const float*, int64_t, O* const*,
+                        int64_t);
+// [rows - 1][0]: one block alone; [rows - 1][1]: int4_streams(rows) blocks together.
+template <typename O>
+constexpr Int4Fn<O> kInt4Fns[kMaxRows][2] = {{int4_blocks<1, 1, O>, int4_blocks<1, int4_streams(1), O>},
+                                             {int4_blocks<2, 1, O>, int4_blocks<2, int4_streams(2), O>},
+                                             {int4_blocks<3, 1, O>, int4_blocks<3, int4_streams(3), O>},
+                                             {int4_blocks<4, 1, O>, int4_blocks<4, int4_streams(4), O>}};
 
 // R rows of a prompt times one block of 64 outputs, tile by tile over every group (the block stays in
 // L2 while the rows pass): more rows share each unpacked tile than a decode step's 4, as q8.cpp's
@@ -238,16 +262,24 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& blocks) {
     });
     return out;
   }
+  // Each thread splits its blocks into `streams` runs and streams the runs' i-th blocks together.
+  const int streams = int4_streams((int)m);
+  const Int4Fn<T>* fns = kInt4Fns<T>[m - 1];
   at::parallel_for(0, blocks.size(0), 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = pw + b * stride;
-      T* o = po + b * kBlockOutputs;
-      switch (m) {
-        case 1: int4_block<1>(wb, groups, q.data(), xs.data(), xsum.data(), k, o, n); break;
-        case 2: int4_block<2>(wb, groups, q.data(), xs.data(), xsum.data(), k, o, n); break;
-        case 3: int4_block<3>(wb, groups, q.data(), xs.data(), xsum.data(), k, o, n); break;
-        default: int4_block<4>(wb, groups, q.data(), xs.data(), xsum.data(), k, o, n); break;
+    const uint8_t* w_at[kMaxInt4Streams];
+    T* out_at[kMaxInt4Streams];
+    const int64_t run = (b1 - b0) / streams;
+    for (int64_t i = 0; i < run; ++i) {
+      for (int s = 0; s < streams; ++s) {
+        w_at[s] = pw + (b0 + s * run + i) * stride;
+        out_at[s] = po + (b0 + s * run + i) * kBlockOutputs;
       }
+      fns[1](w_at, groups, q.data(), xs.data(), xsum.data(), k, out_at, n);
+    }
+    for (int64_t b = b0 + streams * run; b < b1; ++b) {  // the rest, one at a time
+      w_at[0] = pw + b * stride;
+      out_at[0] = po + b * kBlockOutputs;
+      fns[0](w_at, groups, q.data(), xs.data(), xsum.data(), k, out_at, n);
     }
   });
   return out;
