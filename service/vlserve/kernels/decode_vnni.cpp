@@ -348,52 +348,48 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_outputs(const a
   }
 }
 
-// M rows times S runs of R adjacent weight rows each (anywhere in the weights: `w[0..S)`, their first
-// outputs `n[0..S)`): S streams of weights read at once, as q8.cpp's decode product streams its tiles.
-// Four adjacent rows (one tile) read as one stream; four tiles apart read 8% faster (a decode step's
-// products of the real-size model, one row, 2-vCPU AMX Xeon: 24 against 26 GB/s, the memory reading
-// 33). The same sums in the same order as bf16_outputs', so a row's bits do not depend on the grouping.
-template <int M, int S, int R, bool Prefetch>
+// M rows times S weight rows anywhere in the weights (`w[0..S)`, their outputs `n[0..S)`): S streams of
+// weights read at once, as q8.cpp's decode product streams its tiles. A decode step's products of the
+// real-size model on the 2-vCPU AMX Xeon: one row 24 GB/s with a tile's four adjacent rows a thread at
+// a time (one stream, in effect), 26-28 with four tiles apart, 28-30 with 16 rows apart, the memory
+// reading 28-33; two rows 25 with two tiles apart, 29-31 with 8 rows apart. The same sums in the same
+// order as bf16_outputs', so a row's bits do not depend on the grouping.
+template <int M, int S, bool Prefetch>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const at::BFloat16* const* w, int64_t k,
                                                                           const at::BFloat16* x, const float* bias,
                                                                           const int64_t* n, at::BFloat16* out,
                                                                           int64_t ldo) {
   const int64_t chunks = k / kBf16Chunk;
-  __m512 acc[S][R][M];
+  __m512 acc[S][M];
   for (int s = 0; s < S; ++s)
-    for (int t = 0; t < R; ++t)
-      for (int r = 0; r < M; ++r) acc[s][t][r] = _mm512_setzero_ps();
+    for (int r = 0; r < M; ++r) acc[s][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     __m512bh xs[M];
     for (int r = 0; r < M; ++r) xs[r] = (__m512bh)_mm512_loadu_si512(x + r * k + c * kBf16Chunk);
-    for (int s = 0; s < S; ++s)
-      for (int t = 0; t < R; ++t) {
-        const at::BFloat16* p = w[s] + t * k + c * kBf16Chunk;
-        if (Prefetch) _mm_prefetch((const char*)p + 1024, _MM_HINT_T0);
-        const __m512bh v = (__m512bh)_mm512_loadu_si512(p);
-        for (int r = 0; r < M; ++r) acc[s][t][r] = _mm512_dpbf16_ps(acc[s][t][r], xs[r], v);
-      }
+    for (int s = 0; s < S; ++s) {
+      const at::BFloat16* p = w[s] + c * kBf16Chunk;
+      if (Prefetch) _mm_prefetch((const char*)p + 1024, _MM_HINT_T0);
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(p);
+      for (int r = 0; r < M; ++r) acc[s][r] = _mm512_dpbf16_ps(acc[s][r], xs[r], v);
+    }
   }
   for (int s = 0; s < S; ++s)
-    for (int t = 0; t < R; ++t)
-      for (int r = 0; r < M; ++r) {
-        const float y = _mm512_reduce_add_ps(acc[s][t][r]);
-        out[r * ldo + n[s] + t] = at::BFloat16(bias ? y + bias[n[s] + t] : y);
-      }
+    for (int r = 0; r < M; ++r) {
+      const float y = _mm512_reduce_add_ps(acc[s][r]);
+      out[r * ldo + n[s]] = at::BFloat16(bias ? y + bias[n[s]] : y);
+    }
 }
 
-// Streams and adjacent weight rows per stream for M rows, within 16 sums: one row four tiles (4 x 4),
-// two rows two (2 x 4), three and four rows four single rows (4 x 1).
-constexpr int bf16_streams_for(int m) { return m == 2 ? 2 : 4; }
-constexpr int bf16_run_rows(int m) { return m <= 2 ? kOutTile : 1; }
-constexpr int kMaxBf16Streams = 4;
+// Weight rows streamed at once by M rows: as many as 16 sums allow.
+constexpr int bf16_streams_for(int m) { return 16 / m; }
+constexpr int kMaxBf16Streams = 16;
 
 template <int M>
 void bf16_streams_dispatch(bool prefetch, const at::BFloat16* const* w, int64_t k, const at::BFloat16* x,
                            const float* bias, const int64_t* n, at::BFloat16* out, int64_t ldo) {
-  constexpr int S = bf16_streams_for(M), R = bf16_run_rows(M);
-  if (prefetch) bf16_streams<M, S, R, true>(w, k, x, bias, n, out, ldo);
-  else bf16_streams<M, S, R, false>(w, k, x, bias, n, out, ldo);
+  constexpr int S = bf16_streams_for(M);
+  if (prefetch) bf16_streams<M, S, true>(w, k, x, bias, n, out, ldo);
+  else bf16_streams<M, S, false>(w, k, x, bias, n, out, ldo);
 }
 
 template <int M>
@@ -433,17 +429,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   const int64_t panel = std::max<int64_t>(kOutTile, kBf16PanelBytes / (2 * k) / kOutTile * kOutTile);
   const bool prefetch = std::min(m, kMaxRows) >= prefetch_rows;
   if (m <= kMaxRows) {
-    // A decode step's rows: each thread splits its outputs into S runs of whole units (R adjacent
-    // weight rows) and streams the runs' i-th units together; the rest as bf16_outputs does.
-    const int streams = bf16_streams_for((int)m), unit = bf16_run_rows((int)m);
+    // A decode step's rows: each thread splits its outputs into S runs and streams the runs' i-th
+    // weight rows together; the rest as bf16_outputs does.
+    const int streams = bf16_streams_for((int)m);
     at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
       const int64_t first = t0 * kOutTile, last = std::min(n, t1 * kOutTile);
-      const int64_t run = (last - first) / unit / streams;
+      const int64_t run = (last - first) / streams;
       const at::BFloat16* w_at[kMaxBf16Streams];
       int64_t n_at[kMaxBf16Streams];
       for (int64_t i = 0; i < run; ++i) {
         for (int s = 0; s < streams; ++s) {
-          n_at[s] = first + (s * run + i) * unit;
+          n_at[s] = first + s * run + i;
           w_at[s] = pw + n_at[s] * k;
         }
         switch (m) {
@@ -453,7 +449,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
           default: bf16_streams_dispatch<4>(prefetch, w_at, k, px, pb, n_at, po, n); break;
         }
       }
-      const int64_t r0 = first + streams * run * unit;
+      const int64_t r0 = first + streams * run;
       if (r0 >= last) return;
       switch (m) {
         case 1: bf16_dispatch<1>(prefetch, pw, k, r0, last, px, pb, po, n); break;
