@@ -61,7 +61,7 @@
 #include "ops.h"
 
 namespace {
-constexpr int64_t kOutTile = 4;  // weight rows streamed together by one thread
+constexpr int64_t kOutTile = 4;  // weight rows a prompt's pass multiplies together (and the unit threads share out)
 constexpr int64_t kMaxRows = 4;  // rows multiplied in one pass over the weights (their sums in registers)
 constexpr int64_t kBf16PanelBytes = 256 << 10;  // bf16_linear: weights kept in L2 while more rows pass
 constexpr int64_t kBf16Chunk = 32;  // bfloat16 inputs per vdpbf16ps
