@@ -304,56 +304,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& blocks) {
 namespace {
 // bf16 ---------------------------------------------------------------------------------------------
 
-// Outputs n0..n1 of M bfloat16 rows.
-template <int M, bool Prefetch>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_outputs(const at::BFloat16* w, int64_t k,
-                                                                          int64_t n0, int64_t n1,
-                                                                          const at::BFloat16* x, const float* bias,
-                                                                          at::BFloat16* out, int64_t ldo) {
-  const int64_t chunks = k / kBf16Chunk;
-  int64_t n = n0;
-  for (; n + kOutTile <= n1; n += kOutTile) {
-    __m512 acc[kOutTile][M];
-    for (int t = 0; t < kOutTile; ++t)
-      for (int r = 0; r < M; ++r) acc[t][r] = _mm512_setzero_ps();
-    const at::BFloat16* base = w + n * k;
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512bh xs[M];
-      for (int r = 0; r < M; ++r) xs[r] = (__m512bh)_mm512_loadu_si512(x + r * k + c * kBf16Chunk);
-      for (int t = 0; t < kOutTile; ++t) {
-        const at::BFloat16* p = base + t * k + c * kBf16Chunk;
-        if (Prefetch) _mm_prefetch((const char*)p + 1024, _MM_HINT_T0);
-        const __m512bh v = (__m512bh)_mm512_loadu_si512(p);
-        for (int r = 0; r < M; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xs[r], v);
-      }
-    }
-    for (int t = 0; t < kOutTile; ++t)
-      for (int r = 0; r < M; ++r) {
-        const float y = _mm512_reduce_add_ps(acc[t][r]);
-        out[r * ldo + n + t] = at::BFloat16(bias ? y + bias[n + t] : y);
-      }
-  }
-  for (; n < n1; ++n) {
-    __m512 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512bh v = (__m512bh)_mm512_loadu_si512(w + n * k + c * kBf16Chunk);
-      for (int r = 0; r < M; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + r * k + c * kBf16Chunk), v);
-    }
-    for (int r = 0; r < M; ++r) {
-      const float y = _mm512_reduce_add_ps(acc[r]);
-      out[r * ldo + n] = at::BFloat16(bias ? y + bias[n] : y);
-    }
-  }
-}
-
 // M rows times S weight rows anywhere in the weights (`w[0..S)`, their outputs `n[0..S)`): S streams of
 // weights read at once, as q8.cpp's decode product streams its tiles. A decode step's products of the
 // real-size model on the 2-vCPU AMX Xeon: one row 24 GB/s with a tile's four adjacent rows a thread at
 // a time (one stream, in effect), 26-28 with four tiles apart, 28-30 with 16 rows apart, the memory
 // reading 28-33; two rows 25 with two tiles apart, 29-31 with 8 rows apart. The same sums in the same
-// order as bf16_outputs', so a row's bits do not depend on the grouping.
+// order whatever rows come together, so a row's bits do not depend on the grouping.
 template <int M, int S, bool Prefetch>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const at::BFloat16* const* w, int64_t k,
                                                                           const at::BFloat16* x, const float* bias,
@@ -380,6 +336,34 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const a
     }
 }
 
+// Outputs n0..n1 of M bfloat16 rows: kOutTile adjacent weight rows at a time, then the rest one by one.
+template <int M, bool Prefetch>
+void bf16_outputs(const at::BFloat16* w, int64_t k, int64_t n0, int64_t n1, const at::BFloat16* x, const float* bias,
+                  at::BFloat16* out, int64_t ldo) {
+  const at::BFloat16* w_at[kOutTile];
+  int64_t n_at[kOutTile];
+  int64_t n = n0;
+  for (; n + kOutTile <= n1; n += kOutTile) {
+    for (int t = 0; t < kOutTile; ++t) {
+      n_at[t] = n + t;
+      w_at[t] = w + (n + t) * k;
+    }
+    bf16_streams<M, kOutTile, Prefetch>(w_at, k, x, bias, n_at, out, ldo);
+  }
+  for (; n < n1; ++n) {
+    n_at[0] = n;
+    w_at[0] = w + n * k;
+    bf16_streams<M, 1, false>(w_at, k, x, bias, n_at, out, ldo);
+  }
+}
+
+template <int M>
+void bf16_dispatch(bool prefetch, const at::BFloat16* w, int64_t k, int64_t n0, int64_t n1, const at::BFloat16* x,
+                   const float* bias, at::BFloat16* out, int64_t ldo) {
+  if (prefetch) bf16_outputs<M, true>(w, k, n0, n1, x, bias, out, ldo);
+  else bf16_outputs<M, false>(w, k, n0, n1, x, bias, out, ldo);
+}
+
 // Weight rows streamed at once by M rows: as many as 16 sums allow.
 constexpr int bf16_streams_for(int m) { return 16 / m; }
 constexpr int kMaxBf16Streams = 16;
@@ -390,13 +374,6 @@ void bf16_streams_dispatch(bool prefetch, const at::BFloat16* const* w, int64_t 
   constexpr int S = bf16_streams_for(M);
   if (prefetch) bf16_streams<M, S, true>(w, k, x, bias, n, out, ldo);
   else bf16_streams<M, S, false>(w, k, x, bias, n, out, ldo);
-}
-
-template <int M>
-void bf16_dispatch(bool prefetch, const at::BFloat16* w, int64_t k, int64_t n0, int64_t n1, const at::BFloat16* x,
-                   const float* bias, at::BFloat16* out, int64_t ldo) {
-  if (prefetch) bf16_outputs<M, true>(w, k, n0, n1, x, bias, out, ldo);
-  else bf16_outputs<M, false>(w, k, n0, n1, x, bias, out, ldo);
 }
 
 }  // namespace
