@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import statistics
 
 import httpx
@@ -112,6 +113,12 @@ def test_decode_bytes_are_the_language_model_weights_a_step_reads(tiny_model):
 def test_bandwidth_is_measured_on_a_buffer_of_the_asked_size():
     result = measure_read_bandwidth(1, size_bytes=64 * 2**20, repeats=3)
     assert result["buffer_bytes"] == 64 * 2**20 and result["bytes_per_s"] > 0
+    # In 2 MiB pages as far as the kernel gives them (counted from smaps), none where THP is off.
+    assert 0 <= result["buffer_huge_page_bytes"] <= result["buffer_bytes"]
+    assert result["buffer_huge_page_bytes"] % (2 * 2**20) == 0
+    thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.is_file() and "[never]" in thp.read_text():
+        assert result["buffer_huge_page_bytes"] == 0
 
 
 def fresh_torch_threads() -> int:

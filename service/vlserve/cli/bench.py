@@ -157,11 +157,13 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        "memory read bandwidth: %.1f GB/s (%d threads, %.1f GiB buffer, last-level cache %.0f MiB)"
+        "memory read bandwidth: %.1f GB/s (%d threads, %.1f GiB buffer, %d%% of it in 2 MiB pages, last-level"
+        " cache %.0f MiB)"
         % (
             result["bytes_per_s"] / 1e9,
             threads,
             result["buffer_bytes"] / 2**30,
+            100 * result["buffer_huge_page_bytes"] // result["buffer_bytes"],
             result["last_level_cache_bytes"] / 2**20,
         )
     )

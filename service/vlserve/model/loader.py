@@ -24,7 +24,7 @@ from vlserve.errors import ModelDirectoryError
 from vlserve.kernels import native
 from vlserve.kernels.native import Kernels
 from vlserve.kernels.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
-from vlserve.model import outliers, pagecache, patches
+from vlserve.model import outliers, pages, patches
 from vlserve.model.packing import (
     convert_vision_tower,
     int8_prompt_copies_from,
@@ -182,7 +182,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     # cache file) depend on whether vlserve's kernels run, and so does the speed of int8 products.
     kernels = _kernels_for(model, choices, level, load_dtype, status)
     if level == "none":  # it decodes from the checkpoint's map (a rounding level, from its weight cache's)
-        pagecache.settle_files(sorted(path.glob("*.safetensors")))
+        pages.settle_files(sorted(path.glob("*.safetensors")))
     network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=load_dtype)
     network.eval()
     patches.attend_through_vlserve(network, kernels)

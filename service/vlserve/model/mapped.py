@@ -16,28 +16,13 @@ Only whole pages inside a `.safetensors` file's private mapping are handed back,
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import mmap
-import sys
 
 import torch
 
-log = logging.getLogger(__name__)
+from vlserve.model.pages import MADV_DONTNEED, madvise
 
-MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h), the same on x86-64 and aarch64
 PAGE = mmap.PAGESIZE
-
-
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise
-
-
-_MADVISE = _madvise()
 
 
 def checkpoint_ranges() -> list[tuple[int, int]]:
@@ -59,8 +44,6 @@ def release(*tensors: torch.Tensor | None) -> int:
     """Hand back the whole pages of each tensor's bytes that lie in a checkpoint mapping, once the
     tensor's contents have been copied elsewhere. Returns the bytes handed back (0 off Linux, for
     tensors in anonymous memory, or those smaller than a page)."""
-    if _MADVISE is None:
-        return 0
     spans = [
         (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
         for t in tensors
@@ -74,8 +57,6 @@ def release(*tensors: torch.Tensor | None) -> int:
         first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
         if last <= first or not any(low <= first and last <= high for low, high in ranges):
             continue
-        if _MADVISE(first, last - first, MADV_DONTNEED) == 0:
+        if madvise(first, last - first, MADV_DONTNEED):  # else (not expected) they stay until the map closes
             released += last - first
-        else:  # not expected on a private file mapping; the pages just stay until the map closes
-            log.debug("madvise(DONTNEED) failed: errno %d", ctypes.get_errno())
     return released

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from vlserve.model import pagecache
+from vlserve.model import pages
 
-CHUNK = pagecache.huge_page_bytes()
+CHUNK = pages.huge_page_bytes()
 CHUNKS = 6
 
 
@@ -42,10 +42,10 @@ def in_small_pages(path: Path) -> None:
 
 
 def test_a_settled_file_is_not_read_again(weights: Path) -> None:
-    first = pagecache.settle(weights)
+    first = pages.settle(weights)
     assert first is not None
     assert first.chunks_bytes == CHUNKS * CHUNK  # the tail under a chunk is left out
-    second = pagecache.settle(weights)
+    second = pages.settle(weights)
     assert second.large_before == second.large_after == first.large_after
     if first.settled:
         assert second.settled and second.reread_bytes == 0
@@ -54,9 +54,9 @@ def test_a_settled_file_is_not_read_again(weights: Path) -> None:
 
 
 def test_small_pages_are_read_again_into_2mib_folios_where_the_kernel_can(weights: Path) -> None:
-    capable = pagecache.settle(weights).settled
+    capable = pages.settle(weights).settled
     in_small_pages(weights)
-    result = pagecache.settle(weights)
+    result = pages.settle(weights)
     if capable:
         assert result.large_before < result.chunks_bytes  # the small pages were seen
         assert result.reread_bytes == result.chunks_bytes - result.large_before
@@ -71,13 +71,13 @@ def test_pages_another_mapping_holds_are_left_in_place(weights: Path) -> None:
     pages, settling reads one trial chunk, sees it come back small, and stops."""
     import mmap  # noqa: PLC0415
 
-    if not pagecache.settle(weights).settled:
+    if not pages.settle(weights).settled:
         pytest.skip("no 2 MiB folios for this file here: the trial-chunk path is covered above")
     in_small_pages(weights)
     with weights.open("rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as held:
         for offset in range(0, len(held), 4096):
             held[offset]  # map every page here, as another worker's process would
-        result = pagecache.settle(weights)
+        result = pages.settle(weights)
     assert result.large_before == 0
     assert result.reread_bytes == CHUNK and not result.settled
 
@@ -85,6 +85,6 @@ def test_pages_another_mapping_holds_are_left_in_place(weights: Path) -> None:
 def test_files_it_cannot_settle_are_passed_over(tmp_path: Path) -> None:
     small = tmp_path / "small.safetensors"
     small.write_bytes(b"\0" * 4096)
-    assert pagecache.settle(small) is None
-    assert pagecache.settle(tmp_path / "missing.safetensors") is None
-    assert pagecache.settle_files([small, tmp_path / "missing.safetensors"]) == []
+    assert pages.settle(small) is None
+    assert pages.settle(tmp_path / "missing.safetensors") is None
+    assert pages.settle_files([small, tmp_path / "missing.safetensors"]) == []

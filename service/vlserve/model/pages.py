@@ -79,6 +79,44 @@ _LIBC = _libc()
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
+def madvise(address: int, length: int, advice: int) -> bool:
+    """madvise(2) on this process's memory; False where it failed (errno logged) or off Linux."""
+    if _LIBC is None:
+        return False
+    if _LIBC.madvise(address, length, advice) == 0:
+        return True
+    log.debug("madvise(%d) failed: errno %d", advice, ctypes.get_errno())
+    return False
+
+
+def smaps_field(starts: list[int], field: str) -> dict[int, int]:
+    """One /proc/self/smaps field (e.g. FilePmdMapped, AnonHugePages), in bytes, of the mappings that
+    begin at these addresses (those it does not find are left out)."""
+    wanted = {"%x" % start: start for start in starts}
+    found, current = {}, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split("-", 1)[0]
+            if head in wanted:
+                current = wanted[head]
+            elif current is not None and line.startswith(field + ":"):
+                found[current] = int(line.split()[1]) * 1024
+                current = None
+    return found
+
+
+def anonymous_huge(nbytes: int) -> tuple[mmap.mmap, int, int]:
+    """Private anonymous memory for `nbytes`, advised MADV_HUGEPAGE from a 2 MiB boundary: the mapping,
+    the offset of that boundary in it, and its address. Written once, it sits in 2 MiB pages where the
+    kernel's transparent huge pages allow (`enabled` set to madvise or always)."""
+    chunk = huge_page_bytes()
+    mapping = mmap.mmap(-1, nbytes + chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    offset = -address % chunk
+    madvise(address + offset, nbytes, MADV_HUGEPAGE)
+    return mapping, offset, address + offset
+
+
 class _Probe:
     """A read-only shared mapping of each of a file's whole chunks, at chunk-aligned addresses (so a
     chunk can be mapped by one page-table entry) with a gap between them (so the kernel keeps them as
@@ -99,7 +137,7 @@ class _Probe:
                 error = ctypes.get_errno()
                 self.close()
                 raise OSError(error, "mmap")
-            _LIBC.madvise(at, chunk, MADV_HUGEPAGE)  # a cold chunk is read as one 2 MiB folio
+            madvise(at, chunk, MADV_HUGEPAGE)  # a cold chunk is read as one 2 MiB folio
 
     def address(self, index: int) -> int:
         return self.base + 2 * index * self.chunk
@@ -111,23 +149,12 @@ class _Probe:
     def unmap_pages(self, indexes) -> None:
         """Drop these chunks' page-table entries (a shared read-only file map: the file keeps its bytes)."""
         for index in indexes:
-            _LIBC.madvise(self.address(index), self.chunk, MADV_DONTNEED)
+            madvise(self.address(index), self.chunk, MADV_DONTNEED)
 
     def small(self) -> list[int]:
         """The chunks not mapped as one 2 MiB folio (smaps' FilePmdMapped below the chunk's size)."""
-        index_of = {"%x" % self.address(index): index for index in range(self.chunks)}
-        large = set()
-        current = None
-        with open("/proc/self/smaps") as smaps:
-            for line in smaps:
-                head = line.split("-", 1)[0]
-                if head in index_of:
-                    current = index_of[head]
-                elif current is not None and line.startswith("FilePmdMapped:"):
-                    if int(line.split()[1]) * 1024 >= self.chunk:
-                        large.add(current)
-                    current = None
-        return [index for index in range(self.chunks) if index not in large]
+        mapped = smaps_field([self.address(index) for index in range(self.chunks)], "FilePmdMapped")
+        return [index for index in range(self.chunks) if mapped.get(self.address(index), 0) < self.chunk]
 
     def close(self) -> None:
         _LIBC.munmap(self.reserved, self.span)
