@@ -1,10 +1,13 @@
-"""The page cache's form of the weight files: settled into 2 MiB folios where the kernel can, read again
-once when an aged cache holds them in small pages, and never churned where it cannot."""
+"""The page cache's form of the weight files: found at load, what an aged cache holds in small pages
+read again into 2 MiB folios after ready where the kernel can, and never churned where it cannot."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,53 +36,97 @@ def in_small_pages(path: Path) -> None:
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        pages = list(range(0, os.fstat(fd).st_size, 4096))
-        random.Random(1).shuffle(pages)
-        for offset in pages:
+        offsets = list(range(0, os.fstat(fd).st_size, 4096))
+        random.Random(1).shuffle(offsets)
+        for offset in offsets:
             os.pread(fd, 1, offset)
     finally:
         os.close(fd)
 
 
-def test_a_settled_file_is_not_read_again(weights: Path) -> None:
+def run(steps) -> None:
+    for step in steps:
+        step()
+
+
+def capable(path: Path) -> bool:
+    """Whether this kernel and filesystem hold the file in 2 MiB folios, by the code's own account: a
+    cold file settled, or its small chunks read again and settled after."""
+    run(pages.settle_files([path]))
+    return pages.settle(path).settled
+
+
+def test_a_settled_file_has_nothing_to_read_again(weights: Path) -> None:
     first = pages.settle(weights)
-    assert first is not None
-    assert first.chunks_bytes == CHUNKS * CHUNK  # the tail under a chunk is left out
+    assert first is not None and first.chunks == CHUNKS  # the tail under a chunk is left out
     second = pages.settle(weights)
-    assert second.large_before == second.large_after == first.large_after
-    if first.settled:
-        assert second.settled and second.reread_bytes == 0
-    else:  # a kernel or filesystem without 2 MiB folios here: one trial chunk per call, never the file
-        assert second.reread_bytes == CHUNK
+    assert second.small == first.small
+    assert (pages.reread_steps(second) == []) == second.settled
 
 
 def test_small_pages_are_read_again_into_2mib_folios_where_the_kernel_can(weights: Path) -> None:
-    capable = pages.settle(weights).settled
-    in_small_pages(weights)
-    result = pages.settle(weights)
-    if capable:
-        assert result.large_before < result.chunks_bytes  # the small pages were seen
-        assert result.reread_bytes == result.chunks_bytes - result.large_before
-        assert result.settled
-    else:
-        assert result.reread_bytes == CHUNK and not result.settled
-    assert weights.read_bytes()[:16]  # the file is intact either way
+    can = capable(weights)
+    # Private and writable but never written, as safetensors maps its files.
+    with weights.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as own:
+        in_small_pages(weights)
+        for offset in range(0, len(own), 4096):
+            own[offset]  # this process maps them too, as the worker does its weights
+        found = pages.settle(weights)
+        assert found.small == tuple(range(CHUNKS))
+        steps = pages.reread_steps(found)
+        assert len(steps) == 1 + -(-(CHUNKS - 1) // pages.CHUNKS_PER_STEP)  # a trial chunk, then the rest
+        run(steps)
+        after = pages.settle(weights)
+        assert after.settled == can
+        if not can:  # one trial chunk read again, the rest left alone
+            assert after.small == found.small
+        assert own[: 2 * CHUNK] == weights.read_bytes()[: 2 * CHUNK]  # the mapping still reads the file
 
 
-def test_pages_another_mapping_holds_are_left_in_place(weights: Path) -> None:
-    """posix_fadvise(DONTNEED) cannot drop mapped pages: with the whole file mapped elsewhere in small
-    pages, settling reads one trial chunk, sees it come back small, and stops."""
-    import mmap  # noqa: PLC0415
+def test_a_mapping_with_a_written_page_keeps_it(weights: Path) -> None:
+    """A private mapping a write has touched holds a page of its own, which dropping would lose: such a
+    mapping is left alone, so its chunks stay as they are and the write stays."""
+    original = weights.read_bytes()[:8]
+    with weights.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as own:
+        in_small_pages(weights)
+        for offset in range(0, len(own), 4096):
+            own[offset]
+        own[:8] = b"written!"
+        found = pages.settle(weights)
+        run(pages.reread_steps(found))
+        assert own[:8] == b"written!"
+        assert pages.settle(weights).small == found.small  # pinned by this mapping: nothing read again
+    assert weights.read_bytes()[:8] == original
 
-    if not pages.settle(weights).settled:
+
+def test_pages_another_process_maps_are_left_in_place(weights: Path) -> None:
+    """posix_fadvise(DONTNEED) cannot drop pages another process maps: the trial chunk comes back small
+    and the other steps do nothing."""
+    if not capable(weights):
         pytest.skip("no 2 MiB folios for this file here: the trial-chunk path is covered above")
     in_small_pages(weights)
-    with weights.open("rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as held:
-        for offset in range(0, len(held), 4096):
-            held[offset]  # map every page here, as another worker's process would
-        result = pages.settle(weights)
-    assert result.large_before == 0
-    assert result.reread_bytes == CHUNK and not result.settled
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import mmap, sys\n"
+            "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+            "[m[o] for o in range(0, len(m), 4096)]\n"
+            "print('held', flush=True); sys.stdin.read()",
+            str(weights),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        found = pages.settle(weights)
+        assert found.small == tuple(range(CHUNKS))
+        run(pages.reread_steps(found))
+        assert pages.settle(weights).small == found.small
+    finally:
+        holder.communicate("", timeout=30)
 
 
 def test_files_it_cannot_settle_are_passed_over(tmp_path: Path) -> None:

@@ -141,9 +141,10 @@ class Copy:
         self.log.append("dropped " + self.name)
 
 
-def test_background_work_runs_layouts_then_copies_one_step_at_a_time():
+def test_background_work_runs_page_rereads_then_layouts_then_copies_one_step_at_a_time():
     log = []
     work = BackgroundWork(
+        [lambda: log.append("pages 1"), lambda: log.append("pages 2")],
         [lambda: log.append("layout 1"), lambda: log.append("layout 2")],
         [Copy(log, "copy 1"), Copy(log, "copy 2")],
         "float32",
@@ -152,8 +153,8 @@ def test_background_work_runs_layouts_then_copies_one_step_at_a_time():
     while work.pending:
         counts.append(work.pending)
         work.step()
-    assert counts == [4, 3, 2, 1]
-    assert log == ["layout 2", "layout 1", "copy 2", "copy 1"]
+    assert counts == [6, 5, 4, 3, 2, 1]
+    assert log == ["pages 1", "pages 2", "layout 2", "layout 1", "copy 2", "copy 1"]
 
 
 def test_background_work_that_runs_out_of_memory_gives_up_its_kind_only():
@@ -162,7 +163,17 @@ def test_background_work_that_runs_out_of_memory_gives_up_its_kind_only():
     def layout_out_of_memory():
         raise RuntimeError("out of memory")
 
-    work = BackgroundWork([layout_out_of_memory], [Copy(log, "copy 1"), Copy(log, "copy 2", fail=True)], None)
+    def unreadable_file():
+        raise OSError("gone")
+
+    work = BackgroundWork(
+        [unreadable_file, lambda: log.append("pages")],
+        [layout_out_of_memory],
+        [Copy(log, "copy 1"), Copy(log, "copy 2", fail=True)],
+        None,
+    )
+    work.step()  # the failing page step: the pages stay as they are, the rest still waits
+    assert log == [] and work.pending == 3
     work.step()  # the failing layout: the layouts are given up, the copies still wait
     assert log == [] and work.pending == 2
     work.step()  # the failing copy: every copy is given up, their sources dropped

@@ -130,6 +130,7 @@ class LoadedModel:
     kernels: Kernels  # what its products run on (vlserve.kernels.native)
     pad_id: int
     eos_ids: set[int]
+    page_steps: list[Callable[[], None]] = field(default_factory=list)  # weight chunks to read into 2 MiB folios
     layout_steps: list[Callable[[], None]] = field(default_factory=list)  # weights still in a plain layout
     prefill_copies: list = field(default_factory=list)  # layers still waiting for their prompt copy
     rounded_layers: int = 0  # layers this load rounded itself (0: every rounded weight came from the weight cache)
@@ -137,11 +138,13 @@ class LoadedModel:
     def settle(self) -> None:
         """Do now, in the engine's order, the work a worker does in the background after ready, so
         what runs next (a benchmark, a measurement) meets the model as a settled worker runs it."""
+        for step in self.page_steps:
+            step()
         for step in self.layout_steps:
             step()
         for layer in self.prefill_copies:
             layer.make_prefill_copy()
-        self.layout_steps, self.prefill_copies = [], []
+        self.page_steps, self.layout_steps, self.prefill_copies = [], [], []
 
 
 @dataclass
@@ -181,8 +184,9 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     # Before any weight or cache file is opened: the int8 and int4 weights' layouts (and so their
     # cache file) depend on whether vlserve's kernels run, and so does the speed of int8 products.
     kernels = _kernels_for(model, choices, level, load_dtype, status)
-    if level == "none":  # it decodes from the checkpoint's map (a rounding level, from its weight cache's)
-        pages.settle_files(sorted(path.glob("*.safetensors")))
+    # Decode reads the files a level serves from at every step, fastest from 2 MiB folios: the checkpoint
+    # at the exact level, else its weight cache. Settled before they are mapped (vlserve/model/pages.py).
+    page_steps = pages.settle_files(sorted(path.glob("*.safetensors"))) if level == "none" else []
     network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=load_dtype)
     network.eval()
     patches.attend_through_vlserve(network, kernels)
@@ -194,6 +198,8 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     rounds = level != "none" or "int8" in (taken.vision_dtype, taken.prefill_dtype)
     cache = WeightCache(root, path, level, kernels) if root is not None and rounds else None
     taken.cached = cache is not None
+    if cache is not None and level != "none":
+        page_steps += pages.settle_files([cache.path])
     prepared = cache.open() if cache is not None else PreparedWeights()
     try:
         # The residual streams' outlier channels, which rounded layers keep exact: found on the exact model
@@ -234,6 +240,7 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
         kernels=kernels,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         eos_ids=eos_ids,
+        page_steps=page_steps,
         layout_steps=layout_steps(network),
         prefill_copies=taken.prefill_copies,
         rounded_layers=len(prepared.made),

@@ -1,32 +1,35 @@
 """Weight files held in the page cache as whole 2 MiB folios, whatever the cache held before.
 
 Decode reads every weight once per step, straight from the files' memory maps, and how fast it reads
-depends on how the kernel placed those pages. Measured on a 2-vCPU Xeon VM (kernel 6.18, ext4), the
-same mapped 3.1 GB int4 weight file read at 27-33 GB/s when its pages sat in 2 MiB folios and at
-22-23 GB/s when they sat in scattered 4 KiB pages, and int4 decode took 49-54 ms against 57-64 ms
-a token. Which one a worker gets depended on the cache's history: a file read in long sequential
-runs comes in 2 MiB folios, one faulted in by a loader's scattered accesses mostly in small ones, and
-one partly evicted and faulted back fills its holes page by page.
+depends on how the kernel placed those pages. On a 2-vCPU Xeon VM (Linux 6.18, ext4), two copies of
+the 3.1 GB int4 weight file mapped in one process read at 33-34.5 GB/s from 2 MiB folios and at
+21.7-22.5 from scattered 4 KiB pages. Which one a worker got depended on the cache's history: a file
+read in long sequential runs comes in 2 MiB folios, one faulted in by a loader's scattered accesses
+mostly in small ones, and one partly evicted and faulted back fills its holes page by page.
 
-So before a level's weight file is mapped, `settle` walks it through a mapping of its own, 2 MiB
-aligned and advised MADV_HUGEPAGE, one touch per 2 MiB in file order: a chunk not cached yet is read
-as one 2 MiB folio (a cold start reads the file in order, faster than the loader's faults), a chunk
-cached whole in such a folio is mapped by one page-table entry, and the mapping's `FilePmdMapped`
-(/proc/self/smaps) then counts what is settled. When much is not (an aged cache), the unmapped pages
-of the file are dropped (posix_fadvise DONTNEED, which leaves pages another process maps) and read
-again the same way, once. One chunk is tried first, so a kernel or filesystem that cannot hold a
-file's pages in 2 MiB folios (ext4 before Linux 6.16, tmpfs without huge=) costs one chunk's read,
-not a whole file's, at every start.
+So before a level's weight file is mapped, `settle` walks it through a mapping of its own, one
+mapping per 2 MiB chunk at an aligned address, advised MADV_HUGEPAGE, touched in file order: a chunk
+not cached yet is read as one 2 MiB folio (a cold start reads the file in order, faster than the
+loader's faults), a chunk cached whole in such a folio is mapped by one page-table entry, and each
+mapping's `FilePmdMapped` (/proc/self/smaps) tells which chunks are not. Those (an aged cache) are
+read again after the worker is ready, a few per scheduler pass (`reread_steps`): this process's own
+read-only mappings of them are dropped (the file keeps its bytes), the pages nobody maps are dropped
+from the cache (posix_fadvise DONTNEED leaves those another worker maps) and read again the same way.
+Doing it at load cost up to 1.6 s of start on a host whose memory was full of other files' pages
+(2 MiB folios then take compaction). One chunk is tried first, so a kernel or filesystem that cannot
+hold a file in 2 MiB folios (ext4 before Linux 6.16, tmpfs without huge=) costs one chunk's read.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,18 +53,17 @@ def huge_page_bytes() -> int:
 
 @dataclass(frozen=True)
 class Settled:
-    """What `settle` found and did for one file."""
+    """What `settle` found of one file."""
 
     path: Path
-    chunks_bytes: int  # the whole 2 MiB chunks of the file, the part that can be held in 2 MiB folios
-    large_before: int  # of those, bytes already in 2 MiB folios (or read into them cold)
-    large_after: int
-    reread_bytes: int  # bytes dropped from the cache and read again
+    chunk: int  # bytes of a chunk: the PMD page size
+    chunks: int  # whole chunks in the file (the tail under a chunk stays as it is)
+    small: tuple[int, ...]  # the chunks not held in one 2 MiB folio
     seconds: float
 
     @property
     def settled(self) -> bool:
-        return self.large_after == self.chunks_bytes
+        return not self.small
 
 
 def _libc():
@@ -118,127 +120,169 @@ def anonymous_huge(nbytes: int) -> tuple[mmap.mmap, int, int]:
 
 
 class _Probe:
-    """A read-only shared mapping of each of a file's whole chunks, at chunk-aligned addresses (so a
+    """A read-only shared mapping of each of these chunks of a file, at chunk-aligned addresses (so a
     chunk can be mapped by one page-table entry) with a gap between them (so the kernel keeps them as
     separate mappings and smaps reports each one's FilePmdMapped), advised MADV_HUGEPAGE."""
 
-    def __init__(self, fd: int, chunks: int, chunk: int):
-        self.chunks, self.chunk = chunks, chunk
-        self.span = 2 * chunks * chunk + chunk
+    def __init__(self, fd: int, indexes: list[int], chunk: int):
+        self.chunk = chunk
+        self.span = 2 * len(indexes) * chunk + chunk
         self.reserved = _LIBC.mmap(
             None, self.span, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
         )
         if self.reserved in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), "mmap reserve")
-        self.base = -(-self.reserved // chunk) * chunk
-        for index in range(chunks):
-            at = self.address(index)
+        base = -(-self.reserved // chunk) * chunk
+        self.addresses = {index: base + 2 * place * chunk for place, index in enumerate(indexes)}
+        for index, at in self.addresses.items():
             if _LIBC.mmap(at, chunk, mmap.PROT_READ, mmap.MAP_SHARED | MAP_FIXED, fd, index * chunk) != at:
                 error = ctypes.get_errno()
                 self.close()
                 raise OSError(error, "mmap")
             madvise(at, chunk, MADV_HUGEPAGE)  # a cold chunk is read as one 2 MiB folio
 
-    def address(self, index: int) -> int:
-        return self.base + 2 * index * self.chunk
-
-    def touch(self, indexes) -> None:
-        for index in indexes:
-            ctypes.c_char.from_address(self.address(index)).value  # noqa: B018 - the read faults it in
-
-    def unmap_pages(self, indexes) -> None:
-        """Drop these chunks' page-table entries (a shared read-only file map: the file keeps its bytes)."""
-        for index in indexes:
-            madvise(self.address(index), self.chunk, MADV_DONTNEED)
+    def touch(self) -> None:
+        for at in self.addresses.values():
+            ctypes.c_char.from_address(at).value  # noqa: B018 - the read faults it in
 
     def small(self) -> list[int]:
         """The chunks not mapped as one 2 MiB folio (smaps' FilePmdMapped below the chunk's size)."""
-        mapped = smaps_field([self.address(index) for index in range(self.chunks)], "FilePmdMapped")
-        return [index for index in range(self.chunks) if mapped.get(self.address(index), 0) < self.chunk]
+        mapped = smaps_field(list(self.addresses.values()), "FilePmdMapped")
+        return [index for index, at in self.addresses.items() if mapped.get(at, 0) < self.chunk]
 
     def close(self) -> None:
         _LIBC.munmap(self.reserved, self.span)
 
 
-def settle(path: Path) -> Settled | None:
-    """Hold `path`'s whole chunks in the page cache as 2 MiB folios, reading again (once) what an aged
-    cache holds in small pages. None off Linux, for files under one chunk, or when the file cannot be
-    mapped (it is then loaded as before)."""
+def _probed(path: Path, indexes: list[int] | None, before=None) -> tuple[int, int, list[int]] | None:
+    """Map `indexes` (all chunks when None) through a probe, call `before(fd)` first if given, touch
+    them in order: (chunk, chunks in the file, those still small); None where it cannot."""
     chunk = huge_page_bytes()
-    started = time.monotonic()
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
         chunks = os.fstat(fd).st_size // chunk
-        if _LIBC is None or chunks == 0:
+        indexes = list(range(chunks)) if indexes is None else indexes
+        if _LIBC is None or not indexes:
             return None
+        if before is not None:
+            before(fd, chunk)
         try:
-            probe = _Probe(fd, chunks, chunk)
+            probe = _Probe(fd, indexes, chunk)
         except OSError as error:
             log.debug("page cache: cannot map %s (%s)", path, error)
             return None
         try:
-            probe.touch(range(chunks))
-            small = probe.small()
-            reread = _read_again(fd, probe, small) if small else []
-            after = probe.small() if reread else small
+            probe.touch()
+            return chunk, chunks, probe.small()
         finally:
             probe.close()
     finally:
         os.close(fd)
-    return Settled(
-        Path(path),
-        chunks * chunk,
-        (chunks - len(small)) * chunk,
-        (chunks - len(after)) * chunk,
-        len(reread) * chunk,
-        time.monotonic() - started,
-    )
 
 
-def _read_again(fd: int, probe: _Probe, small: list[int]) -> list[int]:
-    """Drop the small chunks' pages that nobody maps and read them again, one chunk first: if that one
-    does not come back as a 2 MiB folio, neither would the rest (or another process holds them), so
-    they are left alone. Returns the chunks read again."""
-    trial, rest = small[-1:], small[:-1]  # the last: the header's chunk may be held by a reader already
-    for part in (trial, rest):
-        probe.unmap_pages(part)
-        for index in part:
-            os.posix_fadvise(fd, index * probe.chunk, probe.chunk, os.POSIX_FADV_DONTNEED)
-        probe.touch(part)
-        if part is trial and trial[0] in probe.small():
-            return trial
-    return small
+def settle(path: Path) -> Settled | None:
+    """Read `path`'s uncached chunks into 2 MiB folios, in order, and find those the cache holds in
+    small pages. None off Linux, for files under one chunk, or when the file cannot be mapped."""
+    started = time.monotonic()
+    found = _probed(path, None)
+    if found is None:
+        return None
+    chunk, chunks, small = found
+    return Settled(Path(path), chunk, chunks, tuple(small), time.monotonic() - started)
 
 
-def settle_files(paths: list[Path]) -> list[Settled]:
-    """`settle` each file, logging what it found and did."""
-    done = []
+def _mapped_here(path: Path) -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of this process's mappings of `path` that hold only the file's bytes:
+    read-only ones, and private ones with no page written (safetensors maps its files private and
+    writable; smaps' Anonymous counts the pages a write copied)."""
+    target = str(Path(path).resolve())
+    found, private = [], []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                start, end = (int(value, 16) for value in fields[0].split("-"))
+                if "w" not in fields[1]:
+                    found.append((start, end, int(fields[2], 16)))
+                elif fields[1][3] == "p":
+                    private.append((start, end, int(fields[2], 16)))
+    written = smaps_field([start for start, _, _ in private], "Anonymous") if private else {}
+    return found + [mapping for mapping in private if written.get(mapping[0], 1) == 0]
+
+
+def read_again(path: Path, indexes: list[int]) -> list[int]:
+    """Drop these chunks' pages from this process's mappings of `path` that hold only its bytes and from
+    the page cache (those another process maps stay), and read them again into 2 MiB folios: the chunks
+    still small after. A view read later faults the file's bytes back in; nothing is lost."""
+
+    def drop(fd: int, chunk: int) -> None:
+        for start, end, offset in _mapped_here(path):
+            for index in indexes:
+                low, high = max(index * chunk, offset), min((index + 1) * chunk, offset + end - start)
+                if low < high:
+                    madvise(start + low - offset, high - low, MADV_DONTNEED)
+        for index in indexes:
+            os.posix_fadvise(fd, index * chunk, chunk, os.POSIX_FADV_DONTNEED)
+
+    found = _probed(path, indexes, drop)
+    return indexes if found is None else found[2]
+
+
+CHUNKS_PER_STEP = 16  # 32 MiB read again per scheduler pass: 20-40 ms here
+
+
+def reread_steps(settled: Settled) -> list[Callable[[], None]]:
+    """The small chunks of a settled file read again a few at a time, in the order to run the steps.
+    The first step tries one chunk: when it stays small, the kernel or filesystem cannot do better (or
+    another process holds the pages) and the other steps do nothing."""
+    if settled.settled:
+        return []
+    state = {"stop": False, "started": None}
+    parts = [list(settled.small[:1])] + [
+        list(settled.small[at : at + CHUNKS_PER_STEP]) for at in range(1, len(settled.small), CHUNKS_PER_STEP)
+    ]
+
+    def step(number: int, part: list[int]) -> None:
+        if state["stop"]:
+            return
+        state["started"] = state["started"] or time.monotonic()
+        left = read_again(settled.path, part)
+        if number == 0 and left:
+            state["stop"] = True
+            log.info(
+                "page cache: %d of %s's %d chunks stay in small pages: this kernel or filesystem does not give"
+                " it 2 MiB folios, or another process maps them",
+                len(settled.small),
+                settled.path.name,
+                settled.chunks,
+            )
+        elif number == len(parts) - 1:
+            log.info(
+                "page cache: %d MiB of %s read again into 2 MiB folios in %.1f s",
+                len(settled.small) * settled.chunk >> 20,
+                settled.path.name,
+                time.monotonic() - state["started"],
+            )
+
+    return [functools.partial(step, number, part) for number, part in enumerate(parts)]
+
+
+def settle_files(paths: list[Path]) -> list[Callable[[], None]]:
+    """`settle` each file; the steps that read again what an aged cache holds in small pages."""
+    steps = []
     for path in paths:
         result = settle(path)
         if result is None:
             continue
-        done.append(result)
-        mib = 2**20
-        if result.reread_bytes and result.settled:
+        if result.small:
             log.info(
-                "page cache: %d of %s's %d MiB were in small pages (an aged cache): read again into 2 MiB folios"
-                " in %.1f s",
-                result.reread_bytes // mib,
+                "page cache: %d of %s's %d chunks are in small pages (an aged cache): reading them again after ready",
+                len(result.small),
                 path.name,
-                result.chunks_bytes // mib,
-                result.seconds,
+                result.chunks,
             )
-        elif not result.settled:
-            log.info(
-                "page cache: %s stays in small pages (%d of %d MiB in 2 MiB folios): this kernel or filesystem "
-                "does not give it large folios, or another process maps them",
-                path.name,
-                result.large_after // mib,
-                result.chunks_bytes // mib,
-            )
-        else:
-            log.debug("page cache: %s in 2 MiB folios (%.2f s)", path.name, result.seconds)
-    return done
+        steps += reread_steps(result)
+    return steps

@@ -36,7 +36,6 @@ import torch
 
 from vlserve.kernels import native
 from vlserve.kernels.formats import INT4_GROUP
-from vlserve.model import pages
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +183,6 @@ class WeightCache:
         if not self.path.is_file():
             say("weight cache: no %s yet: rounding the weights, then writing it", self.path)
             return None
-        pages.settle_files([self.path])  # decode reads it at every step, fastest from 2 MiB folios
         try:
             with safe_open(str(self.path), framework="pt") as file:
                 stored = json.loads((file.metadata() or {}).get(KEY_FIELD, "null"))

@@ -1,4 +1,5 @@
-"""The work a ready worker still does between requests, one step per scheduler pass: weights into
+"""The work a ready worker still does between requests, one step per scheduler pass: weight chunks an
+aged page cache held in small pages read again into 2 MiB folios (vlserve/model/pages.py), weights into
 their kernels' layout, then the prompt copies of the decoder's layers (what the weight cache does not
 hold; vlserve/model/packing.py). Each step is 10-60 ms, so a request never waits long for one; a step
 that runs out of memory ends its kind of work (slower, never wrong). What no level converts stays in
@@ -16,11 +17,13 @@ log = logging.getLogger(__name__)
 class BackgroundWork:
     def __init__(
         self,
+        page_steps: list[Callable[[], None]],
         layout_steps: list[Callable[[], None]],
         prefill_copies: list,
         prefill_dtype: str | None,
     ):
-        self.layout_steps = layout_steps  # first, weights still in a plain layout (packing.py)
+        self.page_steps = page_steps  # first, in order: chunks of weight files read again (pages.py)
+        self.layout_steps = layout_steps  # then weights still in a plain layout (packing.py)
         self.prefill_copies = prefill_copies  # layers still waiting for their prompt copy (packing.py, quantized.py)
         self.prefill_dtype = prefill_dtype
         self._layouts_started: float | None = None
@@ -28,14 +31,25 @@ class BackgroundWork:
 
     @property
     def pending(self) -> int:
-        return len(self.layout_steps) + len(self.prefill_copies)
+        return len(self.page_steps) + len(self.layout_steps) + len(self.prefill_copies)
 
     def step(self) -> None:
         """One step of whichever work comes first."""
-        if self.layout_steps:
+        if self.page_steps:
+            self._read_pages_again()
+        elif self.layout_steps:
             self._finish_a_layout()
         elif self.prefill_copies:
             self._make_prefill_copy()
+
+    def _read_pages_again(self) -> None:
+        """Up to 32 MiB of weights dropped from the page cache and read again (20-40 ms)."""
+        step = self.page_steps.pop(0)
+        try:
+            step()
+        except OSError as error:  # the file went away or cannot be read: its pages stay as they are
+            log.error("leaving the weight files' pages as they are: %s", error)
+            self.page_steps = []
 
     def _finish_a_layout(self) -> None:
         """One weight into its kernel's layout (20-60 ms each): decode steps reach full speed."""

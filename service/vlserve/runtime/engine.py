@@ -60,7 +60,7 @@ class Engine:
         self.vision_cache = LRUCache(limits.vision_cache_bytes, cost=feature_bytes)
         self.prefix_cache = PrefixCache(0)  # sized at load, once the model's key/value shape is known
         self.scheduler = Scheduler(limits, self.metrics)
-        self.background = BackgroundWork([], [], None)
+        self.background = BackgroundWork([], [], [], None)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._memory_limit = limits.memory_limit_bytes if limits.memory_limit_bytes else _cgroup_memory_limit()
@@ -131,7 +131,9 @@ class Engine:
 
     def _load_model(self, status: Callable[[str], None]) -> None:
         loaded = load_model(self.model_settings, self.limits, status)
-        self.background = BackgroundWork(loaded.layout_steps, loaded.prefill_copies, loaded.choices.prefill_dtype)
+        self.background = BackgroundWork(
+            loaded.page_steps, loaded.layout_steps, loaded.prefill_copies, loaded.choices.prefill_dtype
+        )
         budget = planned_kv_cache(loaded.model.config.text_config, loaded.choices.dtype, self.limits)
         self.prefix_cache = PrefixCache(budget, self.limits.prefix_cache_bytes)
         runner = ModelRunner(
