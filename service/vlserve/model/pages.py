@@ -98,9 +98,9 @@ def smaps_field(starts: list[int], field: str) -> dict[int, int]:
     found, current = {}, None
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
-            head = line.split("-", 1)[0]
-            if head in wanted:
-                current = wanted[head]
+            token = line.split(maxsplit=1)[0]
+            if "-" in token and not token.endswith(":"):  # a mapping's header: "start-end perms ..."
+                current = wanted.get(token.split("-", 1)[0])
             elif current is not None and line.startswith(field + ":"):
                 found[current] = int(line.split()[1]) * 1024
                 current = None
