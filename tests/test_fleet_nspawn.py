@@ -174,7 +174,9 @@ def host_front(name: str) -> str:
 
 
 class Client(threading.Thread):
-    """Asks the fleet front again and again until stopped (at most 20 minutes): time, status, which host."""
+    """Asks the fleet front again and again until stopped (at most 20 minutes): when each request was sent,
+    its status, which host answered. The send time, not the answer's: a request the front routed just
+    before it drained a host is answered by that host after the drain."""
 
     def __init__(self):
         super().__init__(daemon=True)
@@ -183,11 +185,12 @@ class Client(threading.Thread):
     def run(self):
         deadline = time.monotonic() + 1200
         while self.running and time.monotonic() < deadline:
+            sent = time.time()
             try:
                 response = ask(FLEET_URL)
-                self.outcomes.append((time.time(), response.status_code, response.headers.get("x-vlserve-host")))
+                self.outcomes.append((sent, response.status_code, response.headers.get("x-vlserve-host")))
             except httpx.HTTPError as error:
-                self.outcomes.append((time.time(), type(error).__name__, None))
+                self.outcomes.append((sent, type(error).__name__, None))
 
     def stop(self):
         self.running = False
