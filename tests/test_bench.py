@@ -16,13 +16,14 @@ import torch
 import yaml
 from transformers import Qwen3VLForConditionalGeneration
 
-from conftest import REPO, Server, load_topology, run_tool
+from conftest import NATIVE_KERNELS, REPO, Server, load_topology, run_tool
 from vlserve import sizing
 from vlserve.bench.autotune import AutotuneOptions, candidates, plan_key
 from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth
 from vlserve.bench.footprint import budget_of, misses
 from vlserve.bench.loadgen import chat_url, percentile
 from vlserve.bench.workload import Workload, parse_size, synthetic_photo
+from vlserve.kernels import native
 
 
 def bench(*args: str, status: int = 0) -> dict:
@@ -113,12 +114,26 @@ def test_decode_bytes_are_the_language_model_weights_a_step_reads(tiny_model):
 def test_bandwidth_is_measured_on_a_buffer_of_the_asked_size():
     result = measure_read_bandwidth(1, size_bytes=64 * 2**20, repeats=3)
     assert result["buffer_bytes"] == 64 * 2**20 and result["bytes_per_s"] > 0
+    assert result["reader"] == "torch.dot" and list(result["readers_bytes_per_s"]) == ["torch.dot"]
     # In 2 MiB pages as far as the kernel gives them (counted from smaps), none where THP is off.
     assert 0 <= result["buffer_huge_page_bytes"] <= result["buffer_bytes"]
     assert result["buffer_huge_page_bytes"] % (2 * 2**20) == 0
     thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.is_file() and "[never]" in thp.read_text():
         assert result["buffer_huge_page_bytes"] == 0
+
+
+def test_bandwidth_is_the_faster_of_torch_s_read_and_the_kernels(monkeypatch):
+    """Where vlserve's kernels run, their prefetched read takes turns with torch's on the same buffer and
+    the faster one is the bound; torch's kernels alone have no read of their own."""
+    monkeypatch.setattr(native, "_outcome", None)  # load as a new process would
+    kernels = native.load(pathlib.Path(NATIVE_KERNELS))
+    result = measure_read_bandwidth(2, size_bytes=64 * 2**20, repeats=3, kernels=kernels)
+    speeds = result["readers_bytes_per_s"]
+    assert set(speeds) == ({"torch.dot", "vlserve"} if kernels.ops is not None else {"torch.dot"})
+    assert result["bytes_per_s"] == max(speeds.values()) == speeds[result["reader"]]
+    stock = measure_read_bandwidth(1, size_bytes=8 * 2**20, repeats=1, kernels=native.STOCK_KERNELS)
+    assert list(stock["readers_bytes_per_s"]) == ["torch.dot"]
 
 
 def fresh_torch_threads() -> int:

@@ -21,7 +21,7 @@ from transformers.models.qwen3_vl import modeling_qwen3_vl
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
 from conftest import NATIVE_KERNELS, VENV_BIN, run_tool
-from vlserve.kernels import native, reference
+from vlserve.kernels import checks, native, reference
 from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
 from vlserve.kernels.quantized import Int4Weight, Int8Weight
 from vlserve.kernels.reference import q8_reference
@@ -567,7 +567,7 @@ def test_the_norm_op_is_transformers_rmsnorm_within_its_rounding(ops, shape, dty
     expected = norm(x)
     got = ops.rms_norm(x, norm.weight, 1e-6)
     assert got.dtype == dtype and got.shape == x.shape
-    tolerance = native.NORM_TOLERANCE[dtype]
+    tolerance = checks.NORM_TOLERANCE[dtype]
     assert torch.all((got.float() - expected.float()).abs() <= expected.float().abs() * tolerance)
     if dtype == torch.bfloat16:  # the same roundings: a float32 difference shows only at a tie
         assert (got == expected).float().mean() > 0.99
@@ -661,6 +661,29 @@ def test_the_attention_op_is_the_python_path_within_its_rounding(ops, batch, tok
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
     assert (got == expected).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("tier", CPU_TIERS or ["none"])
+def test_the_memory_read_sums_every_byte_on_every_tier(ops, tier):
+    """Whole passes, a tail shorter than a pass, and buffers parallel_for splits between threads (their
+    shares join exactly); a view into a larger buffer reads only its own bytes."""
+    generator = torch.Generator().manual_seed(3)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for size in (0, 1, 63, 256, 4096 + 255, (3 << 20) + 5):
+            data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+            assert ops.stream_read(data, tier) == int(data.sum(dtype=torch.int64)), size
+        whole = torch.full((10_000,), 255, dtype=torch.uint8)
+        assert ops.stream_read(whole[1000:1300], tier) == 300 * 255
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(RuntimeError, match="contiguous 1-d uint8"):
+        ops.stream_read(torch.zeros(4, 4, dtype=torch.uint8), tier)
+    with pytest.raises(RuntimeError, match="contiguous 1-d uint8"):
+        ops.stream_read(torch.zeros(8), tier)
+    with pytest.raises(RuntimeError, match="unknown ISA"):
+        ops.stream_read(torch.zeros(8, dtype=torch.uint8), "sse2")
 
 
 @needs_avx512

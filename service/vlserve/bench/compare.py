@@ -255,7 +255,7 @@ def compare(options: CompareOptions) -> dict:
     mask = os.sched_getaffinity(0)
     os.sched_setaffinity(0, worker["cpus"])
     try:
-        bandwidth = measure_read_bandwidth(worker["threads"])
+        bandwidth = measure_read_bandwidth(worker["threads"], kernels=_kernels())
     finally:
         os.sched_setaffinity(0, mask)
     warm_page_cache(options.model)
@@ -433,3 +433,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1000
+
+
+def _kernels():
+    """vlserve's kernels as this host's workers load them: the bandwidth reads with them where they run."""
+    from vlserve.kernels import native  # noqa: PLC0415 - torch, only when measuring
+    from vlserve.settings import ModelSettings  # noqa: PLC0415
+
+    return native.load(ModelSettings().native_kernel_root())

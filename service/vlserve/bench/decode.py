@@ -152,7 +152,8 @@ def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict
     resident = _resident_bytes()  # before the bandwidth's buffer comes and goes
     # The memory's read speed now, in this process: this project's VMs swing between two speeds
     # within minutes, so each turn's steps are held against the speed of their own moment.
-    bandwidth = measure_read_bandwidth(options.threads or torch.get_num_threads())["bytes_per_s"]
+    threads = options.threads or torch.get_num_threads()
+    bandwidth = measure_read_bandwidth(threads, kernels=loaded.kernels)["bytes_per_s"]
     return {
         "batch_step_s": batched,
         "kv_bytes_per_step": {

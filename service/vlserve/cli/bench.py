@@ -147,9 +147,12 @@ def cmd_autotune(args: argparse.Namespace) -> int:
 
 def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
     from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth  # noqa: PLC0415
+    from vlserve.kernels import native  # noqa: PLC0415 - torch, only for this command
+    from vlserve.settings import ModelSettings  # noqa: PLC0415
 
     threads = args.threads or sizing.default_threads(sizing.probe(use_libraries=False))
-    result = measure_read_bandwidth(threads, size_bytes=args.buffer_bytes)
+    kernels = native.load(ModelSettings().native_kernel_root())  # their read where they run
+    result = measure_read_bandwidth(threads, size_bytes=args.buffer_bytes, kernels=kernels)
     if args.model:
         per_token = decode_bytes_per_token(pathlib.Path(args.model), args.dtype, args.quantize)
         result.update(decode_bytes_per_token=per_token, decode_bound_tokens_per_s=result["bytes_per_s"] / per_token)
@@ -157,10 +160,11 @@ def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        "memory read bandwidth: %.1f GB/s (%d threads, %.1f GiB buffer, %d%% of it in 2 MiB pages, last-level"
-        " cache %.0f MiB)"
+        "memory read bandwidth: %.1f GB/s (%s's read; %d threads, %.1f GiB buffer, %d%% of it in 2 MiB pages,"
+        " last-level cache %.0f MiB)"
         % (
             result["bytes_per_s"] / 1e9,
+            result["reader"],
             threads,
             result["buffer_bytes"] / 2**30,
             100 * result["buffer_huge_page_bytes"] // result["buffer_bytes"],

@@ -15,6 +15,9 @@ Two ISA tiers, picked from the CPU and torch's view of it (ATEN_CPU_CAPABILITY h
   the int8 product (kernels/q8.cpp, equal to the AVX-512 one bit for bit), the norm and the rotary.
   int4 weights go through torch's int4 kernel there, attention through vlserve.model.attention's Python path.
 
+Both tiers also carry the benchmarks' memory read (kernels/stream_read.cpp): the bandwidth bound a
+decode step is held against is the faster of it and torch's read (vlserve.bench.bandwidth).
+
 The int8 product is llama.cpp's Q8_0 x Q8_0 (q8.cpp): weights and inputs rounded per block of 32,
 so an input channel many times larger than the rest coarsens its own block only. It replaces
 oneDNN's int8 kernels, which round a whole row with one scale and, on CPUs without VNNI, saturate
@@ -29,7 +32,8 @@ deploy role's step: workers run with `kernels_build` off and only load, so no co
 unit's start), records the outcome in `<cache>/build.json` and removes the builds of other keys.
 Elsewhere the first worker that needs them builds them. A lock file serialises builds, which go to
 a temporary name and are renamed, so workers starting together build once and none loads a
-half-written file. Before use, each op of the tier is checked against a reference computed in Python.
+half-written file. Before use, each op of the tier is checked against a reference computed in
+Python (vlserve.kernels.checks).
 
 Where they cannot be had (not x86-64, no AVX2, torch held below AVX2, no compiler, a failed build or
 check, `native_kernels: off`) the reason is logged once, shown by /readyz and /status, and torch's
@@ -57,8 +61,7 @@ from typing import Any
 
 import torch
 
-from vlserve.kernels import reference
-from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
+from vlserve.kernels import checks
 from vlserve.sizing.contract import KERNELS_OWN, KERNELS_STOCK
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ SOURCES = (
     KERNELS / "q8.cpp",
     KERNELS / "prompt_attention.cpp",
     KERNELS / "decoder_layer.cpp",
+    KERNELS / "stream_read.cpp",
 )
 HEADERS = (KERNELS / "ops.h",)  # part of the build's key, not of its command
 # Rows the model sends to bf16_linear (decode batches, short prompts such as a second question);
@@ -97,10 +101,6 @@ PROMPT_ATTENTION_DIM_MULTIPLE = 64  # prompt_attention's head dimension: four ve
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
 BUILD_TIMEOUT_S = 600
 BUILD_RECORD = "build.json"  # what `vlserve kernels` found, beside the builds: the deploy role reads it
-# How far the norm op may be from transformers' RMSNorm, relative: its float32 sum of squares adds in
-# another order, which moves a float32 result by a few units in the last place and a bfloat16 one
-# by at most one (where the float32 value was near a tie).
-NORM_TOLERANCE = {torch.float32: 8 * 2.0**-23, torch.bfloat16: 2 * 2.0**-7}
 
 
 class NativeUnavailable(Exception):
@@ -269,174 +269,6 @@ def build(root: Path) -> tuple[Path, bool]:
     return path, True
 
 
-def _check(ops, tier: str, bf16: bool) -> None:
-    """The loaded kernels of `tier` against references on a few shapes: a miscompiled build is not used.
-    int8: the exact sum of the same rounded quantities (float64), within float32's accumulation error.
-    int4: the same rounded quantities summed in float64."""
-    generator = torch.Generator().manual_seed(0)
-    for rows, inputs, outputs in ((1, 64, 5), (3, 96, 40), (6, 128, 70), (11, 64, 40)):  # 11: a prompt's path
-        values, scales = quantize_blocks(torch.randn(outputs, inputs, generator=generator), torch.float16)
-        bias = torch.randn(outputs, generator=generator)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = (torch.randn(rows, inputs, generator=generator) * 10.0 ** torch.arange(rows)[:, None]).to(dtype)
-            expected = reference.q8_reference(x, values, scales, bias)
-            got = ops.q8_linear(x, q8_tiles(values, scales), bias, outputs, tier).double()
-            # float32 sums: off by a few units of the row's largest term; bfloat16 rounds each result.
-            slack = 1e-5 * expected.abs().amax(dim=1, keepdim=True)
-            if not torch.all(
-                (got - expected).abs() <= slack + expected.abs() * (2**-8 if dtype == torch.bfloat16 else 0)
-            ):
-                raise NativeUnavailable(
-                    "its int8 check differs from the reference by %.3g" % (got - expected).abs().max()
-                )
-    if tier == "avx512_vnni":
-        _check_int4(ops, generator)
-    if bf16:
-        _check_bf16(ops, generator)
-        _check_q8_bfloat16(ops, generator)
-    _check_decoder_ops(ops, generator, attention_op=tier == "avx512_vnni")
-    if tier == "avx512_vnni":
-        _check_decoder_layer(ops, generator, tier)
-
-
-def _check_q8_bfloat16(ops, generator: torch.Generator) -> None:
-    """q8_bfloat16: each weight's value times its block's scale, rounded to bfloat16 as torch rounds."""
-    outputs, inputs = 40, 96
-    values, scales = quantize_blocks(torch.randn(outputs, inputs, generator=generator), torch.float16)
-    expected = (values.float().reshape(outputs, -1, 32) * scales.float()[..., None]).reshape(outputs, inputs)
-    if not torch.equal(ops.q8_bfloat16(q8_tiles(values, scales), outputs, inputs), expected.bfloat16()):
-        raise NativeUnavailable("its int8-to-bfloat16 check differs from the reference")
-
-
-def _check_int4(ops, generator: torch.Generator) -> None:
-    group = INT4_GROUP
-    for rows, inputs, outputs in ((1, 128, 64), (2, 64, 128), (5, 96, 64)):
-        levels, scales, lows = int4_groups(torch.randn(outputs, inputs, generator=generator), group)
-        x = torch.randn(rows, inputs, generator=generator)
-        blocks, block_scales = quantize_blocks(x)  # the kernel's input rounding
-        x_rounded = (blocks.double().reshape(rows, -1, group) * block_scales.double()[..., None]).reshape(rows, inputs)
-        scale_w, low_w = scales.bfloat16().double(), lows.bfloat16().double()
-        weight = levels.double() * scale_w.repeat_interleave(group, 1) + low_w.repeat_interleave(group, 1)
-        expected = x_rounded @ weight.t()
-        got = ops.int4_linear(x, int4_blocks(levels, scales, lows)).double()
-        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())):
-            raise NativeUnavailable("its int4 check differs from the reference by %.3g" % (got - expected).abs().max())
-
-
-def _check_bf16(ops, generator: torch.Generator) -> None:
-    """The bfloat16 product against the exact sum of the same bfloat16 values: within the result's
-    rounding to bfloat16 and float32's accumulation error."""
-    for rows, inputs, outputs, prefetch in ((1, 64, 5, 1), (1, 64, 5, 3), (3, 96, 12, 1), (4, 256, 9, 5)):
-        weight = torch.randn(outputs, inputs, generator=generator).bfloat16()
-        x = torch.randn(rows, inputs, generator=generator).bfloat16()
-        for bias in (None, torch.randn(outputs, generator=generator).bfloat16()):
-            expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
-            got = ops.bf16_linear(x, weight, bias, prefetch).double()
-            if not torch.allclose(got, expected, rtol=2**-8, atol=1e-4 * inputs):
-                raise NativeUnavailable(
-                    "its bfloat16 check differs from the reference by %.3g" % (got - expected).abs().max()
-                )
-    # Prompt attention: two query heads a key head, queries in a transposed view (as the vision tower
-    # hands them), a left-padded row whose first queries attend to nothing.
-    query = torch.randn(2, 21, 4, 64, generator=generator).bfloat16().transpose(1, 2)
-    key, value = (torch.randn(2, 2, 21, 64, generator=generator).bfloat16() for _ in range(2))
-    mask = torch.ones(21, 21, dtype=torch.bool).tril().expand(2, 1, 21, 21).clone()
-    mask[1, ..., :5] = False
-    expected = reference.prompt_attention(query, key, value, mask, scaling=0.125).float()
-    got = ops.prompt_attention(query, key, value, mask, 0.125).float()
-    if not torch.allclose(got, expected, rtol=2**-7, atol=1e-3):
-        raise NativeUnavailable(
-            "its prompt attention check differs from the reference by %.3g" % (got - expected).abs().max()
-        )
-
-
-def _check_decoder_ops(ops, generator: torch.Generator, attention_op: bool) -> None:
-    """The norm and rotary ops against transformers' own (rotary bit for bit, the norm within
-    NORM_TOLERANCE), the attention op against vlserve.model.attention's Python path (within a unit of
-    bfloat16: its float32 sums add in another order, which may move a rounding)."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm  # noqa: PLC0415 - only here
-
-    for dtype, tolerance in NORM_TOLERANCE.items():
-        norm = Qwen3VLTextRMSNorm(128, eps=1e-6).to(dtype)
-        norm.weight.data = torch.randn(128, generator=generator).to(dtype)
-        x = torch.randn(3, 2, 128, generator=generator).to(dtype)
-        expected, got = norm(x).float(), ops.rms_norm(x, norm.weight, 1e-6).float()
-        if not torch.all((got - expected).abs() <= expected.abs() * tolerance):
-            raise NativeUnavailable("its norm check differs from transformers' by %.3g" % (got - expected).abs().max())
-        q = torch.randn(2, 3, 4, 64, generator=generator).to(dtype).transpose(1, 2)  # a transposed view, as served
-        k = torch.randn(2, 3, 2, 64, generator=generator).to(dtype).transpose(1, 2)
-        cos, sin = (torch.randn(2, 3, 64, generator=generator).to(dtype) for _ in range(2))
-        # transformers' apply_rotary_pos_emb, written out: decoderops may have replaced it already.
-        c, s = cos[:, None], sin[:, None]
-        expected_q, expected_k = (x * c + torch.cat((-x[..., 32:], x[..., :32]), -1) * s for x in (q, k))
-        got_q, got_k = ops.rotary(q, k, cos, sin)
-        if not (torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)):
-            raise NativeUnavailable("its rotary check differs from transformers'")
-    if not attention_op:
-        return
-    query = torch.randn(2, 1, 4, 32, generator=generator).bfloat16().transpose(1, 2)
-    key, value = (torch.randn(2, 2, 9, 32, generator=generator).bfloat16() for _ in range(2))
-    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
-    mask[1, ..., :3] = False  # a left-padded sequence
-    expected = reference.one_query_attention(query, key, value, mask, scaling=0.2).float()
-    got = ops.one_query_attention(query, key, value, mask, 0.2).float()
-    if not torch.allclose(got, expected, rtol=2**-7, atol=1e-3):
-        raise NativeUnavailable(
-            "its attention check differs from the Python path by %.3g" % (got - expected).abs().max()
-        )
-
-
-def _check_decoder_layer(ops, generator: torch.Generator, tier: str) -> None:
-    """The decoder layer op against the same layer composed from the checked ops in Python (as
-    transformers' Qwen3VLTextDecoderLayer runs a decode step on vlserve's ops): equal bit for bit, its
-    output and the key and value it writes. Two rows, two query heads of 32 over one key head; int8
-    products (one with a bias), int4 for the MLP's gate and up."""
-    rows, width, heads, dim, start, eps, scale = 2, 64, 2, 32, 5, 1e-6, 32**-0.5
-
-    def int8(outputs: int, inputs: int) -> torch.Tensor:
-        return q8_tiles(*quantize_blocks(torch.randn(outputs, inputs, generator=generator), torch.float16))
-
-    qkv, o, down = int8((heads + 2) * dim, width), int8(width, heads * dim), int8(width, width)
-    gate_up = int4_blocks(*int4_groups(torch.randn(2 * width, width, generator=generator), INT4_GROUP))
-    bias = torch.randn((heads + 2) * dim, generator=generator)
-    norms = [torch.randn(size, generator=generator).bfloat16() for size in (width, width, dim, dim)]
-    hidden = torch.randn(rows, 1, width, generator=generator).bfloat16()
-    cos, sin = (torch.randn(rows, 1, dim, generator=generator).bfloat16() for _ in range(2))
-    keys, values = (torch.randn(rows, 1, 8, dim, generator=generator).bfloat16() for _ in range(2))
-    mask = torch.ones(rows, 1, 1, start + 1, dtype=torch.bool)
-    mask[1, ..., :2] = False
-
-    x = ops.rms_norm(hidden, norms[0], eps).reshape(rows, width)
-    q, k, v = ops.q8_linear(x, qkv, bias, (heads + 2) * dim, tier).split([heads * dim, dim, dim], -1)
-    q = ops.rms_norm(q.contiguous().view(rows, 1, heads, dim), norms[2], eps).transpose(1, 2)
-    k = ops.rms_norm(k.contiguous().view(rows, 1, 1, dim), norms[3], eps).transpose(1, 2)
-    q, k = ops.rotary(q, k, cos, sin)
-    expected_keys, expected_values = keys.clone(), values.clone()
-    expected_keys[:, :, start] = k[:, :, 0]
-    expected_values[:, :, start] = v.view(rows, 1, dim)
-    a = ops.one_query_attention(q, expected_keys[:, :, : start + 1], expected_values[:, :, : start + 1], mask, scale)
-    h = hidden + ops.q8_linear(a.reshape(rows, -1), o, None, width, tier).view(rows, 1, width)
-    g, u = ops.int4_linear(ops.rms_norm(h, norms[1], eps).reshape(rows, width), gate_up).split(width, -1)
-    up = torch.nn.functional.silu(g.contiguous()) * u.contiguous()
-    expected = h + ops.q8_linear(up, down, None, width, tier).view(rows, 1, width)
-
-    product = torch.classes.vlserve.Product
-    products = [
-        product(kind, [weight], extra, outputs, None, None, None, None, None)
-        for kind, weight, extra, outputs in (
-            (1, qkv, bias, (heads + 2) * dim),
-            (1, o, None, width),
-            (2, gate_up, None, 2 * width),
-            (1, down, None, width),
-        )
-    ]
-    layer = torch.classes.vlserve.DecoderLayer(*norms, eps, *products, heads, 1, dim, width, scale, 1, tier)
-    got = layer.decode(hidden, cos, sin, keys, values, start, mask)
-    if not (torch.equal(got, expected) and torch.equal(keys, expected_keys) and torch.equal(values, expected_values)):
-        raise NativeUnavailable("its decoder layer check differs from the same ops composed in Python")
-
-
-# What each tier's library serves, as /readyz and /status say it.
 TIER_OPS = {
     "avx512_vnni": "int8/int4 products, norm, rotary, attention, decoder layer",
     "avx2": "int8 products, norm, rotary",
@@ -523,6 +355,15 @@ class Kernels:
         classes, prefetch, isa = torch.classes.vlserve, self.prefetch_rows, self.tier
         return classes.Product, lambda *args: classes.DecoderLayer(*args, prefetch, isa)
 
+    def stream_read(self):
+        """The memory read op (both tiers), or None: a contiguous 1-d uint8 tensor -> the sum of its
+        bytes, read once with every line prefetched ahead (kernels/stream_read.cpp): the benchmarks'
+        measure of the memory's read speed (vlserve.bench.bandwidth)."""
+        if self.ops is None:
+            return None
+        op, isa = self.ops.stream_read, self.tier
+        return lambda buffer: op(buffer, isa)
+
     def int8_layout(self) -> str:
         """Which layout int8 weights take (the weight cache keeps each in its own file)."""
         return "q8tiles" if self.q8_linear() is not None else "rows"
@@ -572,8 +413,8 @@ def _load(root: Path | None, build_missing: bool = True) -> Kernels:
         torch.ops.load_library(str(path))
         ops = torch.ops.vlserve
         bf16 = tier == "avx512_vnni" and BF16_FLAG in (_cpu_flags() or [])
-        _check(ops, tier, bf16)
-    except NativeUnavailable as error:
+        checks.check(ops, tier, bf16)
+    except (NativeUnavailable, checks.Mismatch) as error:
         kernels = Kernels(status=KERNELS_STOCK + str(error))
         log.info("native kernels: %s", kernels.status)
         return kernels

@@ -4,7 +4,7 @@ A decode step of Qwen3-VL-2B ran ~2960 torch operations, and past its products t
 what costs (about 22 ms of an 85 ms int4 step on the 2-core build VM): transformers' RMSNorm is 8
 operations (113 norms a step: two per layer, the per-head query and key norms, the final one) and
 its rotary embedding 12 per layer. vlserve's library (kernels/decode_vnni.cpp) does each in one call
-with the same roundings: rotary bit for bit, the norm within native.NORM_TOLERANCE (its float32 sum
+with the same roundings: rotary bit for bit, the norm within checks.NORM_TOLERANCE (its float32 sum
 of squares adds in another order: a few units in float32's last place, at most one in bfloat16's).
 Measured on the build VM (2 threads, one token): a norm 21 -> 5 us, a layer's rotary 28 -> 9 us.
 The attention's own op is chosen in vlserve.model.attention.
