@@ -295,6 +295,7 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
     assert levels["int8"]["first_load"]["rounded_layers"] > 0 and levels["int4"]["first_load"]["rounded_layers"] > 0
     low, high = data["read_bandwidth_range"]
     assert 0 < low <= data["read_bandwidth_bytes_per_s"] <= high
+    assert "torch.dot" in data["read_bandwidth_readers"]  # the bound is the fastest reader's, turn by turn
     for figures in levels.values():
         assert figures["rounded_layers_in_rounds"] == 0 and figures["first_load"]["seconds"] > 0
         for count in ("1", "4"):  # each round's step against its own turn's read speed

@@ -227,6 +227,10 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     bandwidths = [run["read_bandwidth_bytes_per_s"] for measured in runs.values() for run in measured]
     result["read_bandwidth_bytes_per_s"] = statistics.median(bandwidths)
     result["read_bandwidth_range"] = [min(bandwidths), max(bandwidths)]
+    readers = [run["read_bandwidth_readers"] for measured in runs.values() for run in measured]
+    result["read_bandwidth_readers"] = {  # each reader's median over the turns
+        name: statistics.median(speeds[name] for speeds in readers) for name in readers[0]
+    }
     # Against the first level: medians; each round's pair (the levels took turns, so a round's pair
     # saw the same machine); and the first level's best round, which stays honest when that level's
     # steps swing between rounds (this project's VMs did, for the exact level).
@@ -311,8 +315,9 @@ def render(result: dict[str, Any]) -> str:
             )
         )
     low, high = result["read_bandwidth_range"]
+    readers = ", ".join("%s %.1f" % (name, speed / 1e9) for name, speed in result["read_bandwidth_readers"].items())
     lines.append(
-        "\nmemory read speed, measured in each turn after its steps: %.1f GB/s (%.1f-%.1f)"
-        % (result["read_bandwidth_bytes_per_s"] / 1e9, low / 1e9, high / 1e9)
+        "\nmemory read speed, measured in each turn after its steps: %.1f GB/s (%.1f-%.1f; the faster reader's;"
+        " medians: %s)" % (result["read_bandwidth_bytes_per_s"] / 1e9, low / 1e9, high / 1e9, readers)
     )
     return "\n".join(lines)
