@@ -221,6 +221,29 @@ def test_tree_wsl2(tree):
     assert (platform["kind"], platform["wsl"], platform["wsl_version"], platform["vm"]) == ("wsl", True, 2, "microsoft")
 
 
+def test_tree_virtio_balloon_free_page_reporting(tree, facts_schema):
+    """sysfs spells a virtio device's features one character per bit, bit 0 first: the balloon's bit 5
+    (VIRTIO_BALLOON_F_REPORTING) says whether the host takes freed memory back. Other devices' bit 5
+    means something else; no balloon, no answer."""
+    tree.cpus([[0], [1]])
+    tree.write("/sys/bus/virtio/devices/virtio1/device", "0x0001")  # a network card: its bit 5 is not ours
+    tree.write("/sys/bus/virtio/devices/virtio1/features", "1" * 64)
+    assert sizing.probe(str(tree.root))["memory"]["free_page_reporting"] is None
+    tree.write("/sys/bus/virtio/devices/virtio0/device", "0x0005")
+    tree.write("/sys/bus/virtio/devices/virtio0/features", "0110000000000000000000000000000010000000")
+    facts = sizing.probe(str(tree.root))
+    assert facts["memory"]["free_page_reporting"] is False
+    assert "virtio, no free page reporting" in sizing.render_facts(facts)
+    tree.write("/sys/bus/virtio/devices/virtio0/features", "0110010000000000000000000000000010000000")
+    facts = sizing.probe(str(tree.root))
+    assert facts["memory"]["free_page_reporting"] is True
+    assert "reports free pages" in sizing.render_facts(facts)
+    jsonschema.validate(facts, facts_schema)
+    del facts["memory"]["free_page_reporting"]  # facts written before the field: valid, no row
+    jsonschema.validate(facts, facts_schema)
+    assert "balloon" not in sizing.render_facts(facts)
+
+
 def test_tree_hybrid_cpu_atom_and_cpufreq(tree):
     tree.cpus([[0, 1], [2, 3], [4], [5], [6], [7]])
     tree.write("/sys/devices/cpu_atom/cpus", "4-7")

@@ -154,6 +154,12 @@ SCHEMA = {
                         },
                     },
                 },
+                "free_page_reporting": {
+                    "type": ["boolean", "null"],
+                    "description": "Whether a virtio memory balloon reports free pages to the host, which "
+                    "takes them back (null: no balloon). Freed memory then comes back slowly and as "
+                    "other pages: decode speed can move from one worker start to the next.",
+                },
             },
         },
         "cpufreq": {

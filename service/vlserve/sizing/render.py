@@ -48,6 +48,7 @@ def render_facts(facts: dict[str, Any]) -> str:
         ),
         ("memory limit", gib(limits["memory_limit_bytes"]) if limits["memory_limit_bytes"] else "none"),
         ("zram", "available" if memory["zram"]["available"] else "not available"),
+        *_balloon_row(memory),
         (
             "cpufreq",
             "%s, governors %s" % (facts["cpufreq"]["driver"], ", ".join(sorted(facts["cpufreq"]["governors"])))
@@ -57,6 +58,16 @@ def render_facts(facts: dict[str, Any]) -> str:
         ("init", platform["init"]),
     ]
     return _table(rows)
+
+
+def _balloon_row(memory: dict[str, Any]) -> list[tuple[str, str]]:
+    """A row where the host has a virtio memory balloon (facts from before the field have none)."""
+    reporting = memory.get("free_page_reporting")
+    if reporting is None:
+        return []
+    if not reporting:
+        return [("balloon", "virtio, no free page reporting")]
+    return [("balloon", "virtio, reports free pages: the host takes freed memory back (decode speed varies by start)")]
 
 
 def render_plan(result: dict[str, Any]) -> str:
