@@ -42,7 +42,7 @@ def measure_read_bandwidth(
     """Median bytes/s of a streaming read with `threads`: the faster of torch's (a float32 dot product of
     the buffer with itself) and, where `kernels` has it, vlserve's own (kernels/stream_read.cpp, every
     line prefetched ahead), taking turns on one buffer. torch's read is not the memory's limit: on the
-    AMX Xeon VM the prefetched read went 7% faster (kernels/stream_read.cpp has the figures).
+    AMX Xeon VM the prefetched read went about 5% faster (kernels/stream_read.cpp has the figures).
 
     The buffer is at least 1 GiB and at least 4 times the last-level cache, so the reads come from memory,
     and it sits in 2 MiB pages where the kernel gives them, as the weights do (vlserve/model/pages.py):

@@ -228,8 +228,9 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     result["read_bandwidth_bytes_per_s"] = statistics.median(bandwidths)
     result["read_bandwidth_range"] = [min(bandwidths), max(bandwidths)]
     readers = [run["read_bandwidth_readers"] for measured in runs.values() for run in measured]
-    result["read_bandwidth_readers"] = {  # each reader's median over the turns
-        name: statistics.median(speeds[name] for speeds in readers) for name in readers[0]
+    result["read_bandwidth_readers"] = {  # each reader's median over the turns that had it (stock turns: torch's)
+        name: statistics.median(speeds[name] for speeds in readers if name in speeds)
+        for name in dict.fromkeys(name for speeds in readers for name in speeds)
     }
     # Against the first level: medians; each round's pair (the levels took turns, so a round's pair
     # saw the same machine); and the first level's best round, which stays honest when that level's
