@@ -20,6 +20,7 @@ from conftest import NATIVE_KERNELS, REPO, Server, load_topology, run_tool
 from vlserve import sizing
 from vlserve.bench.autotune import AutotuneOptions, candidates, plan_key
 from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth
+from vlserve.bench.decode import readers_medians
 from vlserve.bench.footprint import budget_of, misses
 from vlserve.bench.loadgen import chat_url, percentile
 from vlserve.bench.workload import Workload, parse_size, synthetic_photo
@@ -134,6 +135,13 @@ def test_bandwidth_is_the_faster_of_torch_s_read_and_the_kernels(monkeypatch):
     assert result["bytes_per_s"] == max(speeds.values()) == speeds[result["reader"]]
     stock = measure_read_bandwidth(1, size_bytes=8 * 2**20, repeats=1, kernels=native.STOCK_KERNELS)
     assert list(stock["readers_bytes_per_s"]) == ["torch.dot"]
+
+
+def test_each_reader_s_median_counts_only_the_turns_that_read_with_it():
+    """bench-decode --kernels both: the stock turns read with torch's dot alone, the others with both."""
+    turns = [{"torch.dot": 30.0, "vlserve": 33.0}, {"torch.dot": 31.0}, {"torch.dot": 29.0, "vlserve": 35.0}]
+    assert readers_medians(turns) == {"torch.dot": 30.0, "vlserve": 34.0}
+    assert readers_medians([{"torch.dot": 30.0}]) == {"torch.dot": 30.0}
 
 
 def fresh_torch_threads() -> int:

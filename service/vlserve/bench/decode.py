@@ -227,11 +227,9 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     bandwidths = [run["read_bandwidth_bytes_per_s"] for measured in runs.values() for run in measured]
     result["read_bandwidth_bytes_per_s"] = statistics.median(bandwidths)
     result["read_bandwidth_range"] = [min(bandwidths), max(bandwidths)]
-    readers = [run["read_bandwidth_readers"] for measured in runs.values() for run in measured]
-    result["read_bandwidth_readers"] = {  # each reader's median over the turns that had it (stock turns: torch's)
-        name: statistics.median(speeds[name] for speeds in readers if name in speeds)
-        for name in dict.fromkeys(name for speeds in readers for name in speeds)
-    }
+    result["read_bandwidth_readers"] = readers_medians(
+        [run["read_bandwidth_readers"] for measured in runs.values() for run in measured]
+    )
     # Against the first level: medians; each round's pair (the levels took turns, so a round's pair
     # saw the same machine); and the first level's best round, which stays honest when that level's
     # steps swing between rounds (this project's VMs did, for the exact level).
@@ -242,6 +240,13 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
         figures["speedup_rounds_range"] = [min(pairs), max(pairs)]
         figures["speedup_vs_first_best"] = first["step_ms_range"][0] / figures["step_ms"]
     return result
+
+
+def readers_medians(turns: list[dict[str, float]]) -> dict[str, float]:
+    """Each memory reader's median speed over the turns that had it: a turn on torch's kernels alone
+    (`--kernels stock`) has torch's read and no other."""
+    names = dict.fromkeys(name for speeds in turns for name in speeds)
+    return {name: statistics.median(speeds[name] for speeds in turns if name in speeds) for name in names}
 
 
 def of_bound(read_bytes: float, step_s: float, bandwidth: float) -> float:
