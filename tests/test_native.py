@@ -314,6 +314,44 @@ def test_a_second_build_loads_the_first_and_a_new_source_builds_anew(tmp_path, m
     assert sorted(path.name for path in tmp_path.glob("*.so*")) == sorted([first.name, other.name])  # no partial
 
 
+# A line at column 0 that declares something at namespace scope: a type's name, else the name before
+# the first "(", "=", "[" or "{" (a function, a constant); target attributes and templates skipped.
+_DECLARED_TYPE = re.compile(r"(?:struct|class|enum class|enum|union)\s+(\w+)")
+_DECLARED = re.compile(r"[\w:<>,*&\s]*?\b(\w+)\s*[(=\[{]")
+
+
+def file_local_names(source: str) -> set[str]:
+    names = set()
+    for line in source.splitlines():
+        if not (line[:1].isalpha() or line[:1] == "_") or line.startswith(("namespace", "using", "template", "}")):
+            continue
+        bare = re.sub(r"__attribute__\(\(.*?\)\)\)?\s*", "", line)
+        found = _DECLARED_TYPE.match(bare) or _DECLARED.match(bare)
+        if found and not found.group(1).isupper():  # TORCH_LIBRARY_FRAGMENT and such are macros
+            names.add(found.group(1))
+    return names
+
+
+def shared_names(sources: dict[str, str]) -> dict[str, list[str]]:
+    """The names more than one source declares, and where."""
+    where: dict[str, list[str]] = {}
+    for name, text in sources.items():
+        for declared in file_local_names(text):
+            where.setdefault(declared, []).append(name)
+    return {declared: files for declared, files in where.items() if len(files) > 1}
+
+
+def test_no_two_sources_declare_one_name_since_they_build_as_one_unit():
+    """native._unit() includes every source in one translation unit, where their anonymous namespaces
+    are one: a helper defined in two would not compile, or with other parameters would overload."""
+    sources = {path.name: path.read_text() for path in native.SOURCES}
+    assert shared_names(sources) == {}
+    assert {"Isa", "round_row_avx512", "kStep"} <= file_local_names(sources["q8.cpp"])  # the scan finds them
+    copied = {**sources, "copy.cpp": 'namespace {\n__attribute__((target("avx2"))) void round_row_avx512(int x) {\n'}
+    assert shared_names(copied) == {"round_row_avx512": ["q8.cpp", "copy.cpp"]}  # a second definition is caught
+    assert all(('#include "%s"' % path) in native._unit() for path in native.SOURCES)
+
+
 def test_workers_starting_together_build_it_once(tmp_path):
     """Two processes build into one empty directory at once: one compiles, the other waits for it."""
     script = (

@@ -58,6 +58,7 @@
 #include <tuple>
 #include <vector>
 
+#include "lanes.h"
 #include "ops.h"
 
 namespace {
@@ -65,19 +66,15 @@ constexpr int64_t kOutTile = 4;  // weight rows a prompt's pass multiplies toget
 constexpr int64_t kMaxRows = 4;  // rows multiplied in one pass over the weights (their sums in registers)
 constexpr int64_t kBf16PanelBytes = 256 << 10;  // bf16_linear: weights kept in L2 while more rows pass
 constexpr int64_t kBf16Chunk = 32;  // bfloat16 inputs per vdpbf16ps
-constexpr int64_t kGroup = 32;   // int4: inputs per scale and low value, and per input scale
-constexpr int64_t kBlock = 16;   // int4: outputs per tile
-constexpr int64_t kTiles = 4;    // int4: tiles per block (64 outputs), read as one stream
-constexpr int64_t kBlockOutputs = kTiles * kBlock;
-constexpr int64_t kTileBytes = kBlock * kGroup / 2;  // int4: one tile's levels for one group (four lines)
-constexpr int64_t kParamBytes = kBlock * 4;          // int4: one tile's (scale, low) pairs for one group
+constexpr int64_t kGroup = 32;        // int4: inputs per scale and low value, and per input scale
+constexpr int64_t kTileOutputs = 16;  // int4: outputs per tile
+constexpr int64_t kTiles = 4;         // int4: tiles per block (64 outputs), read as one stream
+constexpr int64_t kBlockOutputs = kTiles * kTileOutputs;
+constexpr int64_t kTileBytes = kTileOutputs * kGroup / 2;  // int4: one tile's levels for one group (four lines)
+constexpr int64_t kParamBytes = kTileOutputs * 4;          // int4: one tile's (scale, low) pairs for one group
 constexpr int64_t kBlockStep = kTiles * (kTileBytes + kParamBytes);  // int4: a block's bytes per group
 
-// 16 inputs as float32, from float32 or bfloat16 (the model's dtypes): no converted copy of the rows.
-__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const at::BFloat16* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
-}
+using vlserve::lanes::load16;
 
 // 16 results in the rows' dtype; bfloat16 rounds to nearest even as torch's conversion does.
 __attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, float* out) { _mm512_storeu_ps(out, v); }
@@ -177,7 +174,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_blocks(const ui
   }
   for (int b = 0; b < S; ++b)
     for (int t = 0; t < kTiles; ++t)
-      for (int r = 0; r < M; ++r) store16(acc[b][t][r], out[b] + r * ldo + t * kBlock);
+      for (int r = 0; r < M; ++r) store16(acc[b][t][r], out[b] + r * ldo + t * kTileOutputs);
 }
 
 // Blocks streamed at once by M rows: four for one row (16 sums); two for more, though four rows' 32
@@ -214,13 +211,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_block_rows(cons
       for (int r = 0; r < R; ++r)
         add_row(acc[r], tile, q + r * k + g * kGroup, xs[r * groups + g], xsum[r * groups + g]);
     }
-    for (int r = 0; r < R; ++r) store16(acc[r], out + r * ldo + t * kBlock);
+    for (int r = 0; r < R; ++r) store16(acc[r], out + r * ldo + t * kTileOutputs);
   }
 }
 
 // Rows per pass: 12 accumulators, 8 nibble vectors and the temporaries fit the 32 registers (8 rows
 // measured 7% slower, 16 no faster).
-constexpr int kPromptRows = 12;
+constexpr int kInt4PromptRows = 12;
 
 template <typename O>
 void int4_block_rows_any(int rows, const uint8_t* w, int64_t groups, const int8_t* q, const float* xs,
@@ -237,7 +234,7 @@ void int4_block_rows_any(int rows, const uint8_t* w, int64_t groups, const int8_
     case 9: return int4_block_rows<9>(w, groups, q, xs, xsum, k, out, ldo);
     case 10: return int4_block_rows<10>(w, groups, q, xs, xsum, k, out, ldo);
     case 11: return int4_block_rows<11>(w, groups, q, xs, xsum, k, out, ldo);
-    default: return int4_block_rows<kPromptRows>(w, groups, q, xs, xsum, k, out, ldo);
+    default: return int4_block_rows<kInt4PromptRows>(w, groups, q, xs, xsum, k, out, ldo);
   }
 }
 
@@ -253,11 +250,11 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& blocks) {
   const uint8_t* pw = blocks.data_ptr<uint8_t>();
   T* po = out.data_ptr<T>();
   const int64_t stride = groups * kBlockStep;
-  if (m > kMaxRows) {  // a prompt: each block's weights unpacked once per kPromptRows rows (the block stays in L2)
+  if (m > kMaxRows) {  // a prompt: each block's weights unpacked once per kInt4PromptRows rows (the block stays in L2)
     at::parallel_for(0, blocks.size(0), 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
-        for (int64_t r = 0; r < m; r += kPromptRows)
-          int4_block_rows_any((int)std::min<int64_t>(kPromptRows, m - r), pw + b * stride, groups, q.data() + r * k,
+        for (int64_t r = 0; r < m; r += kInt4PromptRows)
+          int4_block_rows_any((int)std::min<int64_t>(kInt4PromptRows, m - r), pw + b * stride, groups, q.data() + r * k,
                               xs.data() + r * groups, xsum.data() + r * groups, k, po + r * n + b * kBlockOutputs, n);
     });
     return out;

@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "lanes.h"
 #include "ops.h"
 
 namespace {
@@ -81,10 +82,7 @@ struct RoundedRows {
 
 // ---- AVX-512 ------------------------------------------------------------------------------------
 
-__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const at::BFloat16* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
-}
+using vlserve::lanes::load16;
 
 template <typename T>
 __attribute__((target("avx512f,avx512bw"))) void round_row_avx512(const T* x, int64_t k, int8_t* q, float* scale,
