@@ -14,7 +14,6 @@ import re
 import shutil
 import ssl
 import subprocess
-import threading
 import time
 import zipfile
 
@@ -25,6 +24,7 @@ from conftest import free_port
 from harness import nspawn
 from harness.playbooks import audit, play, recap
 from harness.releases import build_release
+from harness.traffic import Traffic
 from sample_images import image_question, png_bytes
 from vlserve.kernels import native
 from vlserve.ops import modellock
@@ -286,25 +286,11 @@ def test_stop_and_start_the_whole_service(guest, deployed, host_vars):
     assert time.monotonic() - started < 120
 
 
-class Client(threading.Thread):
-    """Asks the front again and again until stopped; keeps the outcome of every request."""
-
-    def __init__(self, host_vars):
-        super().__init__(daemon=True)
-        self.host_vars, self.outcomes, self.running = host_vars, [], True
-
-    def run(self):
-        while self.running:
-            try:
-                status = ask(self.host_vars, timeout=60).status_code
-            except httpx.HTTPError as error:
-                status = type(error).__name__
-            self.outcomes.append(status)
-
-    def stop(self):
-        self.running = False
-        self.join(90)
-        return self.outcomes
+def traffic(host_vars) -> Traffic:
+    """A client asking the host's front every few tenths of a second, started."""
+    client = Traffic(lambda: ask(host_vars, timeout=60))
+    client.start()
+    return client
 
 
 def main_pid(guest, index) -> str:
@@ -313,8 +299,7 @@ def main_pid(guest, index) -> str:
 
 def test_a_killed_worker_is_restarted_and_the_front_routes_around_it(guest, deployed, host_vars):
     before = main_pid(guest, 0)
-    client = Client(host_vars)
-    client.start()
+    client = traffic(host_vars)
     time.sleep(3)
     guest.ssh("kill -9 %s" % before)
     deadline = time.monotonic() + 90
@@ -326,7 +311,7 @@ def test_a_killed_worker_is_restarted_and_the_front_routes_around_it(guest, depl
         time.sleep(1)
     time.sleep(3)
     outcomes = client.stop()
-    failures = [o for o in outcomes if o != 200]
+    failures = [o for o in outcomes if o.status != 200]
     assert len(outcomes) > 20
     assert len(failures) <= 1, failures  # at most the one request inside the killed worker
 
@@ -339,15 +324,14 @@ def test_a_changed_level_restarts_workers_one_at_a_time_without_a_failed_request
     worker restarted, loaded by both) and its weights rounded into the cache directory, and the other
     worker answers meanwhile."""
     pids = [main_pid(guest, 0), main_pid(guest, 1)]
-    client = Client(host_vars)
-    client.start()
+    client = traffic(host_vars)
     changed = int8_vars(host_vars, releases)
     result = play(guest, workdir, "site.yml", **changed)
     outcomes = client.stop()
     assert result.returncode == 0, result.stdout[-4000:]
     assert "Restart the workers one at a time" in result.stdout
     assert all(pid not in pids and pid != "0" for pid in (main_pid(guest, 0), main_pid(guest, 1)))
-    assert outcomes and all(o == 200 for o in outcomes), [o for o in outcomes if o != 200]
+    assert outcomes and all(o.status == 200 for o in outcomes), [o for o in outcomes if o.status != 200]
     assert "VLSERVE_MAX_PIXELS=40000" in guest.ssh("cat /etc/vlserve/vlserve.env").stdout
     assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + release_name(releases["second"])
     for index in (0, 1):  # the workers run it: the script's interpreter is the release's own
@@ -419,8 +403,7 @@ def test_releases_switch_only_once_installed_and_the_oldest_are_pruned(guest, wo
     dependencies' virtualenv for all of them."""
     second, third = releases["second"], releases["third"]
     assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + release_name(second)
-    client = Client(host_vars)
-    client.start()
+    client = traffic(host_vars)
     broken = dict(host_vars, vlserve_deploy_release_wheel=_broken_copy(third, tmp_path))
     refused = play(guest, workdir, "site.yml", **broken)
     outcomes = client.stop()
@@ -428,7 +411,7 @@ def test_releases_switch_only_once_installed_and_the_oldest_are_pruned(guest, wo
     assert "did not install (Install the wheel" in refused.stdout, refused.stdout[-3000:]
     assert "the current release keeps serving" in refused.stdout
     assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + release_name(second)
-    assert outcomes and all(o == 200 for o in outcomes), [o for o in outcomes if o != 200]
+    assert outcomes and all(o.status == 200 for o in outcomes), [o for o in outcomes if o.status != 200]
     result = play(guest, workdir, "site.yml", **dict(host_vars, vlserve_deploy_release_wheel=third["path"]))
     assert result.returncode == 0, result.stdout[-4000:]
     assert guest.ssh("readlink /opt/vlserve/current").stdout.strip() == "releases/" + release_name(third)

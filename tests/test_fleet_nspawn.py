@@ -38,6 +38,7 @@ from harness import nspawn
 from harness.host import SSH_OPTIONS
 from harness.playbooks import play_inventory, recaps, write_fleet_inventory
 from harness.releases import build_release
+from harness.traffic import Traffic
 from sample_images import image_question, png_bytes
 
 REASON = nspawn.available()
@@ -173,29 +174,11 @@ def host_front(name: str) -> str:
     return "https://%s:8100" % SERVICE[name]
 
 
-class Client(threading.Thread):
-    """Asks the fleet front again and again until stopped (at most 20 minutes): when each request was sent,
-    its status, which host answered. The send time, not the answer's: a request the front routed just
-    before it drained a host is answered by that host after the drain."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.outcomes, self.running = [], True
-
-    def run(self):
-        deadline = time.monotonic() + 1200
-        while self.running and time.monotonic() < deadline:
-            sent = time.time()
-            try:
-                response = ask(FLEET_URL)
-                self.outcomes.append((sent, response.status_code, response.headers.get("x-vlserve-host")))
-            except httpx.HTTPError as error:
-                self.outcomes.append((sent, type(error).__name__, None))
-
-    def stop(self):
-        self.running = False
-        self.join(90)
-        return self.outcomes
+def traffic() -> Traffic:
+    """A client asking the fleet front every few tenths of a second, started."""
+    client = Traffic(lambda: ask(FLEET_URL))
+    client.start()
+    return client
 
 
 class Watch:
@@ -475,8 +458,7 @@ def test_two_clients_keep_their_limits_apart_are_counted_and_a_rotation_fails_no
     CLIENTS[1]["key"] = "vls-flood-rotated-" + "r" * 40
     serials = {"fleet": served_serial(FRONT[1]), "fleet-1": served_serial(SERVICE["fleet-1"], as_fleet_front=True)}
     watch = Watch(hosts[FRONT[0]])
-    client = Client()
-    client.start()
+    client = traffic()
     renewed = fleet_vars(tiny_model, torch_wheel, vlserve_credentials_renew_days=400)  # all inside the margin
     result = play_inventory(inventory(workdir, hosts, **renewed), "site.yml")
     time.sleep(3)
@@ -484,7 +466,7 @@ def test_two_clients_keep_their_limits_apart_are_counted_and_a_rotation_fails_no
     events = watch.stop()
     assert result.returncode == 0, result.stdout[-6000:]
     assert old_key not in result.stdout and key_of("flood") not in result.stdout
-    failures = [o for o in outcomes if o[1] != 200]
+    failures = [o for o in outcomes if o.status != 200]
     assert len(outcomes) > 5 and not failures, failures
     assert not out_of_service(events), events  # keys and certificates reload the fronts; nothing drains
     assert served_serial(FRONT[1]) != serials["fleet"]
@@ -496,8 +478,7 @@ def test_two_clients_keep_their_limits_apart_are_counted_and_a_rotation_fails_no
 
 def test_a_changed_setting_rolls_out_canary_first_one_host_at_a_time(hosts, workdir, tiny_model, torch_wheel, deployed):
     watch = Watch(hosts[FRONT[0]])
-    client = Client()
-    client.start()
+    client = traffic()
     settings = {"vlserve_deploy_settings": {"max_pixels": 40000}}
     result = play_inventory(inventory(workdir, hosts, **fleet_vars(tiny_model, torch_wheel, **settings)), "site.yml")
     outcomes = client.stop()
@@ -505,7 +486,7 @@ def test_a_changed_setting_rolls_out_canary_first_one_host_at_a_time(hosts, work
     assert result.returncode == 0, result.stdout[-6000:]
     for name in SERVICE:
         assert "VLSERVE_MAX_PIXELS=40000" in hosts[name].ssh("cat /etc/vlserve/vlserve.env").stdout
-    failures = [o for o in outcomes if o[1] != 200]
+    failures = [o for o in outcomes if o.status != 200]
     assert len(outcomes) > 10 and not failures, failures
     intervals = out_of_service(events)
     assert set(intervals) == set(SERVICE), events  # every host was drained once, and came back
@@ -539,11 +520,10 @@ def test_a_release_failing_on_the_second_host_is_rolled_back_there_then_rollback
     common = fleet_vars(tiny_model, torch_wheel, vlserve_deploy_release_wheel=new["path"],
                         vlserve_deploy_settings={"max_pixels": 40000})  # fmt: skip
     watch = Watch(hosts[FRONT[0]])
-    client = Client()
-    client.start()
+    client = traffic()
     path = inventory(workdir, hosts, per_host={"fleet-2": {"vlserve_deploy_start_timeout_s": 1}}, **common)
     started = time.monotonic()
-    result = play_inventory(path, "site.yml")
+    result = play_inventory(path, "playbooks/deploy.yml")  # site.yml's rollout: its tuning and fronts are tested above
     took = time.monotonic() - started
     time.sleep(5)  # the client's requests after the second host came back
     outcomes = client.stop()
@@ -558,13 +538,12 @@ def test_a_release_failing_on_the_second_host_is_rolled_back_there_then_rollback
     intervals = out_of_service(events)
     assert intervals["fleet-2"][-1][1] != float("inf"), events  # drained, then back
     assert fleet_state(hosts[FRONT[0]], "fleet-2") == 0
-    failures = [o for o in outcomes if o[1] != 200]
+    failures = [o for o in outcomes if o.status != 200]
     assert len(outcomes) > 5 and not failures, failures
-    served_by = {o[2] for o in outcomes if o[0] > intervals["fleet-2"][-1][1] + 1}
+    served_by = {o.host for o in outcomes if o.sent > intervals["fleet-2"][-1][1] + 1}
     assert "fleet-2" in served_by, served_by
 
-    client = Client()
-    client.start()
+    client = traffic()
     started_back = time.monotonic()
     back = play_inventory(path, "playbooks/rollback.yml")
     took_back = time.monotonic() - started_back
@@ -574,7 +553,7 @@ def test_a_release_failing_on_the_second_host_is_rolled_back_there_then_rollback
     assert [current_release(hosts[name]) for name in SERVICE] == [old[name] for name in SERVICE]
     assert [h for h, c in recaps(back).items() if c["changed"]] == ["fleet-1"], back.stdout[-4000:]
     assert again.returncode == 0 and all(c["changed"] == 0 for c in recaps(again).values()), again.stdout[-4000:]
-    failures = [o for o in outcomes if o[1] != 200]
+    failures = [o for o in outcomes if o.status != 200]
     assert len(outcomes) > 5 and not failures, failures
     record(rolled_back_rollout_s=round(took, 1), rollback_play_s=round(took_back, 1), rollback_requests=len(outcomes))
 
@@ -585,8 +564,7 @@ def test_a_broken_model_on_the_second_host_stops_the_rollout_there(hosts, workdi
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "llama"}')
     watch = Watch(hosts[FRONT[0]])
-    client = Client()
-    client.start()
+    client = traffic()
     settings = {"vlserve_deploy_settings": {"max_pixels": 50176}}
     path = inventory(
         workdir,
@@ -594,7 +572,7 @@ def test_a_broken_model_on_the_second_host_stops_the_rollout_there(hosts, workdi
         per_host={"fleet-2": {"vlserve_deploy_model_controller_dir": str(broken)}},
         **fleet_vars(tiny_model, torch_wheel, **settings),
     )
-    result = play_inventory(path, "site.yml")
+    result = play_inventory(path, "playbooks/deploy.yml")  # as above: the rollout is the subject
     time.sleep(3)
     outcomes = client.stop()
     events = watch.stop()
@@ -608,15 +586,14 @@ def test_a_broken_model_on_the_second_host_stops_the_rollout_there(hosts, workdi
     # The failed host stays drained, the front routes around it, and no client request failed.
     intervals = out_of_service(events)
     assert intervals["fleet-2"][-1][1] == float("inf"), events
-    failures = [o for o in outcomes if o[1] != 200]
+    failures = [o for o in outcomes if o.status != 200]
     assert len(outcomes) > 5 and not failures, failures
-    assert {o[2] for o in outcomes if o[0] > intervals["fleet-2"][-1][0]} <= {"fleet-1", "fleet-3"}
+    assert {o.host for o in outcomes if o.sent > intervals["fleet-2"][-1][0]} <= {"fleet-1", "fleet-3"}
 
 
 def test_a_host_that_loses_power_leaves_the_fleet_front_within_its_checks(hosts, deployed):
     watch = Watch(hosts[FRONT[0]], seconds=120)
-    client = Client()
-    client.start()
+    client = traffic()
     time.sleep(3)
     killed = time.time()
     hosts["fleet-3"].power_off_hard()
@@ -625,8 +602,8 @@ def test_a_host_that_loses_power_leaves_the_fleet_front_within_its_checks(hosts,
     events = watch.stop()
     down = [when for when, name, status in events if name == "fleet-3" and status.startswith("DOWN")]
     assert down, events
-    failures = [o for o in outcomes if o[1] != 200]
+    failures = [o for o in outcomes if o.status != 200]
     record(dead_host_out_after_s=round(down[0] - killed, 1), dead_host_failed_requests=len(failures))
     assert down[0] - killed <= 2 * CHECK_INTERVAL_S + 3  # two failed checks, and a check's own timeout
     assert len(failures) <= 1, failures  # at most the request the dead host held
-    assert all(o[2] != "fleet-3" for o in outcomes if o[0] > down[0])
+    assert all(o.host != "fleet-3" for o in outcomes if o.sent > down[0])
