@@ -89,7 +89,6 @@ def test_render_units_writes_every_destination_once_from_the_plan(tmp_path):
     plan = json.loads(run_tool("vlserve", "plan", "--json", "--facts", str(facts)).stdout)
     written = {"/" + str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     expected = set(units.UNIT_FILES.values()) | set(units.CONFIG_FILES.values())
-    expected |= {units.ERROR_PAGE_FILE.format(status=status) for status in units.ERROR_PAGES}
     expected.add(units.PLAN_FILE)
     for worker in plan["worker_list"]:
         expected |= {path.format(index=worker["index"]) for path in units.WORKER_FILES.values()}
@@ -152,8 +151,7 @@ def test_render_fleet_writes_the_fleet_front_from_the_same_templates(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     written = {"/" + str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
-    expected = set(units.FLEET_FILES.values()) | {units.ERROR_PAGE_FILE.format(status=s) for s in units.ERROR_PAGES}
-    assert written == expected
+    assert written == set(units.FLEET_FILES.values())
     config = (tmp_path / units.FLEET_FILES["fleet-haproxy.cfg.j2"].lstrip("/")).read_text()
     assert "balance leastconn" in config and "option httpchk GET /readyz" in config
     assert "server a 127.0.1.1:8100 weight 2 check" in config and "server b 127.0.1.2:8101 weight 1 check" in config

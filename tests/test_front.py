@@ -124,6 +124,84 @@ def test_the_front_holds_digests_not_keys_and_none_readable_by_others(fronted):
     assert (again / units.CONFIG_FILES["haproxy.cfg.j2"].lstrip("/")).stat().st_mode & 0o777 == 0o644
 
 
+def raw_exchange(url: str, ca: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One request written as is over TLS (what httpx would not send): the status, headers, body."""
+    host, port = url.removeprefix("https://").rsplit(":", 1)
+    context = ssl.create_default_context(cafile=ca)
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        tls.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += tls.recv(65536)
+        head, body = answer.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode().split("\r\n")
+        headers = {k.lower(): v.strip() for k, v in (h.split(":", 1) for h in lines)}
+        while len(body) < int(headers["content-length"]):  # not to the end: a refused upload's connection stays
+            body += tls.recv(65536)
+    return int(status_line.split()[1]), headers, body
+
+
+def assert_front_error(status, headers, body, expected_status, expected_code):
+    assert status == expected_status, body
+    assert headers["content-type"] == "application/json" and headers["cache-control"] == "no-cache"
+    message, kind, code, extra = units.ERROR_PAGES[expected_status]
+    assert json.loads(body) == {"error": {"message": message, "type": kind, "param": None, "code": expected_code}}
+    assert code == expected_code
+    for name, value in extra.items():
+        assert headers[name.lower()] == value
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [
+        *(
+            (
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (KEYS["alice"].encode(), length, b"x" * 20000),
+                413,
+                "request_too_large",
+            )
+            # Over the limit, and over 2^31 (what a 32-bit reading of the length let through); a
+            # buffer's worth of body: the front reads that much before its rules.
+            for length in (21 * 2**20, 2**31 + 1, 10**12)
+        ),
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 401, "invalid_api_key"),
+    ],
+    ids=["over-the-upload-limit", "over-2^31", "over-2^39", "no-key"],
+)
+def test_what_the_front_refuses_itself_is_the_service_error_shape_with_its_headers(
+    fronted, request_bytes, status, code
+):
+    """HAProxy's own answers (its http-error lines), not its HTML pages: JSON a client parses like the
+    workers' errors, and the headers it acts on (WWW-Authenticate on a 401)."""
+    assert_front_error(*raw_exchange(fronted["url"], fronted["ca"], request_bytes), status, code)
+
+
+def test_a_front_with_no_worker_answers_503_in_the_error_shape_with_retry_after(tmp_path):
+    pem, cert = self_signed(tmp_path)
+    (tmp_path / "keys.yml").write_text(yaml.safe_dump({"vlserve_clients": KEY_FILE}))
+    front_port, tree = free_port(), tmp_path / "tree"
+    result = run_tool(
+        "vlserve", "render-units", "--out", str(tree), "--facts", str(FACTS), "--max-workers", "1",
+        "--base-port", str(free_port()), "--front-port", str(front_port), "--front-bind", "127.0.0.1",
+        "--clients", str(tmp_path / "keys.yml"), "--tls-pem", str(pem),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    url = "https://127.0.0.1:%d" % front_port
+    front = Front(tree, units.CONFIG_FILES["haproxy.cfg.j2"]).start(
+        url + "/readyz", ca=ssl.create_default_context(cafile=str(cert))
+    )
+    try:
+        request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nConnection: close\r\n\r\n"
+        answer = raw_exchange(url, str(cert), request % KEYS["alice"].encode())
+    finally:
+        front.stop()
+    assert_front_error(*answer, 503, "no_worker_ready")
+
+
 @pytest.mark.parametrize(
     "headers",
     [

@@ -38,11 +38,10 @@ FINGERPRINT_FILE = units.CONFIG_DIR + "/deployed"  # the fingerprint the rollout
 
 def deployment_files(plan: dict[str, Any]) -> list[str]:
     """What a deployment of this plan is made of on the host: the units, the shared settings, each of
-    the plan's workers' settings and drop-in, the front's configuration and error pages, the plan."""
+    the plan's workers' settings and drop-in, the front's configuration, the plan."""
     files = [*units.UNIT_FILES.values(), units.CONFIG_FILES["vlserve.env.j2"], units.CONFIG_FILES["haproxy.cfg.j2"]]
     for worker in plan["worker_list"]:
         files += [path.format(index=worker["index"]) for path in units.WORKER_FILES.values()]
-    files += [units.ERROR_PAGE_FILE.format(status=status) for status in units.ERROR_PAGES]
     return [*files, units.PLAN_FILE]
 
 

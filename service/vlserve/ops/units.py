@@ -50,7 +50,6 @@ WORKER_FILES = {
     "worker.env.j2": CONFIG_DIR + "/worker-{index}.env",
     "worker.conf.j2": UNIT_DIR + "/vlserve@{index}.service.d/50-plan.conf",
 }
-ERROR_PAGE_FILE = CONFIG_DIR + "/errors/{status}.http"
 # The plan itself, as `vlserve plan --json` prints it, for the workers' status page (read per request:
 # a new plan there restarts nothing).
 PLAN_FILE = CONFIG_DIR + "/plan.json"
@@ -66,29 +65,20 @@ FLEET_SOCKET = "/run/vlserve-fleet/admin.sock"  # HAProxy's runtime API, level a
 # reload or a stop and read back at start: a host the rollout or the operator drained stays drained.
 FLEET_STATE_FILE = "/var/lib/vlserve-fleet/server-state"
 FLEET_PEERS = "vlserve_fleet_peers"  # the peers section of several fleet fronts
-# The front's own error pages: raw HTTP responses in the service's error shape.
+# The front's own errors (HAProxy's http-error lines in its configuration): the service's error
+# shape, and the headers a client acts on.
 ERROR_PAGES = {
-    400: ("Bad Request", "the request is malformed", "invalid_request_error", "bad_request"),
+    400: ("the request is malformed", "invalid_request_error", "bad_request", {}),
     401: (
-        "Unauthorized",
         "missing or wrong API key (Authorization: Bearer <key>)",
         "authentication_error",
         "invalid_api_key",
+        {"WWW-Authenticate": "Bearer"},
     ),
-    403: (
-        "Forbidden",
-        "this API key may not use the model the request names",
-        "permission_error",
-        "model_not_allowed",
-    ),
-    413: (
-        "Payload Too Large",
-        "the request body is over the upload limit",
-        "invalid_request_error",
-        "request_too_large",
-    ),
-    503: ("Service Unavailable", "no worker is ready; try again shortly", "service_unavailable", "no_worker_ready"),
-    504: ("Gateway Timeout", "the worker did not answer in time", "timeout_error", "timeout"),
+    403: ("this API key may not use the model the request names", "permission_error", "model_not_allowed", {}),
+    413: ("the request body is over the upload limit", "invalid_request_error", "request_too_large", {}),
+    503: ("no worker is ready; try again shortly", "service_unavailable", "no_worker_ready", {"Retry-After": "5"}),
+    504: ("the worker did not answer in time", "timeout_error", "timeout", {}),
 }
 
 # A client over one of its limits (ops/clients.py): 429 with Retry-After, in the same error shape.
@@ -230,16 +220,15 @@ def _fleet_only(options: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _error_pages() -> list[dict[str, Any]]:
+    """Each error as its http-error line needs it: the body (single-quoted there, so none of the
+    messages may hold a single quote) and its headers as "Name value"."""
     return [
         {
             "status": status,
-            "reason": reason,
-            "message": message,
-            "type": kind,
-            "code": code,
-            "file": ERROR_PAGE_FILE.format(status=status),
+            "body": error_body(message, kind, code),
+            "headers": ["%s %s" % item for item in {"Cache-Control": "no-cache", **headers}.items()],
         }
-        for status, (reason, message, kind, code) in ERROR_PAGES.items()
+        for status, (message, kind, code, headers) in ERROR_PAGES.items()
     ]
 
 
@@ -369,19 +358,11 @@ def _environment(templates: pathlib.Path):
     return environment
 
 
-def _error_files(environment, base: dict[str, Any], pages: list[dict[str, Any]]) -> dict[str, str]:
-    return {
-        page["file"]: environment.get_template("error.http.j2").render(dict(base, page=page)).replace("\n", "\r\n")
-        for page in pages
-    }
-
-
 def render_fleet(templates: pathlib.Path, context: dict[str, Any], managed: str) -> dict[str, str]:
     """Every file of a fleet front, path -> text, from the same templates the vlserve_front role renders."""
     environment = _environment(templates)
     base = {"vlserve_fleet": context, "ansible_managed": managed}
-    files = {path: environment.get_template(name).render(base) for name, path in context["files"].items()}
-    return files | _error_files(environment, base, context["error_pages"])
+    return {path: environment.get_template(name).render(base) for name, path in context["files"].items()}
 
 
 def render_all(templates: pathlib.Path, context: dict[str, Any], managed: str) -> dict[str, str]:
@@ -394,4 +375,4 @@ def render_all(templates: pathlib.Path, context: dict[str, Any], managed: str) -
     for worker in context["workers"]:
         for name, destination in worker["files"].items():
             files[destination] = environment.get_template(name).render(dict(base, worker=worker))
-    return files | _error_files(environment, base, context["error_pages"])
+    return files
