@@ -21,7 +21,7 @@ from transformers.models.qwen3_vl import modeling_qwen3_vl
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
 from conftest import NATIVE_KERNELS, VENV_BIN, run_tool
-from vlserve.kernels import checks, native, reference
+from vlserve.kernels import checks, native, record, reference
 from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
 from vlserve.kernels.quantized import Int4Weight, Int8Weight
 from vlserve.kernels.reference import q8_reference
@@ -394,7 +394,7 @@ def test_without_a_compiler_the_reason_says_what_to_install(tmp_path, monkeypatc
 
 def test_a_worker_that_must_not_build_loads_the_build_or_says_why_there_is_none(tmp_path, fresh_state, monkeypatch):
     """As deployed workers run (kernels_build off): what `vlserve kernels` built, else torch's with its record."""
-    (tmp_path / native.BUILD_RECORD).write_text(json.dumps({"status": "stock kernels: no C++ compiler"}))
+    (tmp_path / record.BUILD_RECORD).write_text(json.dumps({"status": "stock kernels: no C++ compiler"}))
     kernels = native.load(tmp_path, build_missing=False)
     assert (
         kernels.status
@@ -406,6 +406,20 @@ def test_a_worker_that_must_not_build_loads_the_build_or_says_why_there_is_none(
         monkeypatch.setattr(native, "_outcome", None)  # a new process
         loaded = native.load(pathlib.Path(NATIVE_KERNELS), build_missing=False)
         assert loaded.ops is not None and "loaded from" in loaded.status
+
+
+def _kernels_command(root: pathlib.Path, **env: str) -> dict:
+    """`vlserve kernels --json` on `root` with these variables set: its record."""
+    result = subprocess.run(
+        [str(VENV_BIN / "vlserve"), "kernels", "--cache-dir", str(root), "--json"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 def test_the_kernels_command_builds_checks_records_and_prunes(tmp_path):
@@ -420,12 +434,21 @@ def test_the_kernels_command_builds_checks_records_and_prunes(tmp_path):
         (root / built.name).write_bytes(built.read_bytes())
     result = run_tool("vlserve", "kernels", "--cache-dir", str(root), "--json", timeout=600)
     assert result.returncode == 0, result.stderr
-    record = json.loads(result.stdout)
-    assert record == json.loads((root / native.BUILD_RECORD).read_text())
-    assert record["expected"] == (TIER is not None) and record["own"] == (TIER is not None)
+    outcome = json.loads(result.stdout)
+    assert outcome == json.loads((root / record.BUILD_RECORD).read_text()) and outcome["checked"] is True
+    assert outcome["expected"] == (TIER is not None) and outcome["own"] == (TIER is not None)
     if TIER is not None:
-        assert record["library"] == str(native.library_path(root)) and record["built"] is False
-        assert record["pruned"] == [str(stale)] and not stale.exists()
+        assert outcome["library"] == str(native.library_path(root)) and outcome["built"] is False
+        assert outcome["pruned"] == [str(stale)] and not stale.exists()
+        # Run again with nothing changed: the record holds, torch is not imported, nothing is checked
+        again = run_tool("vlserve", "kernels", "--cache-dir", str(root), "--json", timeout=600)
+        assert json.loads(again.stdout) == {**outcome, "pruned": [], "checked": False}, again.stderr
+        # ...but a change of its inputs (here torch held to another ISA) or a library gone checks again
+        held = _kernels_command(root, ATEN_CPU_CAPABILITY="default")
+        assert held["checked"] is True and not held["own"] and not held["expected"], held
+        assert _kernels_command(root)["checked"] is True  # back to the recorded inputs: checked once more
+        pathlib.Path(outcome["library"]).unlink()
+        assert _kernels_command(root, PATH=str(tmp_path), CXX="")["checked"] is True  # a build attempted
     bare = tmp_path / "bare"
     bare.mkdir()
     for tool in ("python", "python3", "vlserve"):
@@ -440,10 +463,10 @@ def test_the_kernels_command_builds_checks_records_and_prunes(tmp_path):
         check=False,
     )
     assert no_compiler.returncode == 0, no_compiler.stderr
-    record = json.loads(no_compiler.stdout)
-    assert not record["own"]
+    refused = json.loads(no_compiler.stdout)
+    assert not refused["own"]
     if TIER is not None:
-        assert record["expected"] and "no C++ compiler" in record["status"]
+        assert refused["expected"] and "no C++ compiler" in refused["status"]
 
 
 def test_switched_off_it_is_not_built(tmp_path, fresh_state):

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import tempfile
 
 from vlserve.cli.common import BadInput
+from vlserve.kernels import record
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
-    """Build (when missing), load and check the kernels; record the outcome; prune other builds.
+    """Build (when missing), load and check the kernels; record the outcome; prune other builds. A
+    record of the same inputs whose library is still there is the outcome again, without torch.
     Exit 0 whatever the outcome (torch's kernels are an outcome, named in `status`); 2 on bad input."""
-    from vlserve.kernels import native  # noqa: PLC0415 - torch, only for this command
     from vlserve.settings import ModelSettings  # noqa: PLC0415
 
     root = pathlib.Path(args.cache_dir) if args.cache_dir else ModelSettings().native_kernel_root()
@@ -22,11 +21,20 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         raise BadInput("native_kernels is off: there is nothing to build")
     if not root.is_absolute():
         raise BadInput("--cache-dir must be an absolute directory, not %r" % args.cache_dir)
+    inputs = record.inputs()
+    found = record.still_holds(root, inputs)
+    if found is not None:
+        found = {**found, "built": False, "pruned": [], "checked": False}
+        record.write(root, found)
+        print(json.dumps(found, indent=1) if args.json else found["status"] + " (checked before, same inputs)")
+        return 0
+    from vlserve.kernels import native  # noqa: PLC0415 - torch, only when something changed
+
     library = native.library_path(root)
     existed = library.is_file()
     kernels = native.load(root)
     own = kernels.ops is not None
-    record = {
+    outcome = {
         "own": own,
         # whether this CPU, under this torch, runs a tier at all: where it does not, torch's kernels
         # are the plan, not a fault
@@ -36,19 +44,12 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         "library": str(library) if own else None,
         "built": own and not existed,
         "pruned": [str(path) for path in native.prune(root, library)] if own else [],
+        "checked": True,  # loaded and checked by this run (False: a record of the same inputs held)
+        "inputs": inputs,
     }
-    _write(root / native.BUILD_RECORD, record)
-    print(json.dumps(record, indent=1) if args.json else kernels.status)
+    record.write(root, outcome)
+    print(json.dumps(outcome, indent=1) if args.json else kernels.status)
     return 0
-
-
-def _write(path: pathlib.Path, record: dict) -> None:
-    """Written aside and renamed: a worker reading it meanwhile sees the old record or the new."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".build-", delete=False) as handle:
-        json.dump(record, handle, indent=1)
-    os.chmod(handle.name, 0o644)
-    os.replace(handle.name, path)
 
 
 def add_commands(commands) -> None:

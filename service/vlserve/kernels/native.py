@@ -29,7 +29,8 @@ They are built with the host's C++ compiler against the installed torch into
 Python ABI and the flags, so an upgrade of any of them builds a new file and a stale one is never
 loaded. On a deployed host `vlserve kernels` builds and checks them before any worker starts (the
 deploy role's step: workers run with `kernels_build` off and only load, so no compiler runs in a
-unit's start), records the outcome in `<cache>/build.json` and removes the builds of other keys.
+unit's start), records the outcome in `<cache>/build.json` and removes the builds of other keys; a
+later run whose inputs are those of the record answers from it without torch (vlserve.kernels.record).
 Elsewhere the first worker that needs them builds them. A lock file serialises builds, which go to
 a temporary name and are renamed, so workers starting together build once and none loads a
 half-written file. Before use, each op of the tier is checked against a reference computed in
@@ -46,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import platform
@@ -61,7 +61,8 @@ from typing import Any
 
 import torch
 
-from vlserve.kernels import checks
+from vlserve.kernels import checks, record
+from vlserve.kernels.record import cpuinfo_field
 from vlserve.sizing.contract import KERNELS_OWN, KERNELS_STOCK
 
 log = logging.getLogger(__name__)
@@ -100,27 +101,14 @@ BF16_INPUT_MULTIPLE = 32  # its inputs per vdpbf16ps
 PROMPT_ATTENTION_DIM_MULTIPLE = 64  # prompt_attention's head dimension: four vectors of its output tile
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
 BUILD_TIMEOUT_S = 600
-BUILD_RECORD = "build.json"  # what `vlserve kernels` found, beside the builds: the deploy role reads it
 
 
 class NativeUnavailable(Exception):
     """Why the native kernel cannot serve on this host, in one line."""
 
 
-def _cpuinfo_field(name: str) -> str | None:
-    """The first CPU's `name` line in /proc/cpuinfo, None when unreadable."""
-    try:
-        return next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.split(":", 1)[0].strip() == name
-        )
-    except (OSError, StopIteration):
-        return None
-
-
 def _cpu_flags() -> list[str] | None:
-    field = _cpuinfo_field("flags")
+    field = cpuinfo_field("flags")
     return None if field is None else field.split()
 
 
@@ -413,11 +401,9 @@ def _built(root: Path) -> tuple[Path, bool]:
     path = library_path(root)
     if path.is_file():
         return path, False
-    recorded = root / BUILD_RECORD
-    try:
-        said = json.loads(recorded.read_text())["status"]
-    except (OSError, ValueError, KeyError, TypeError):
-        said = "no record in %s" % recorded
+    said = (record.read(root) or {}).get("status")
+    if not isinstance(said, str):
+        said = "no record in %s" % (root / record.BUILD_RECORD)
     raise NativeUnavailable("not built for this release and torch (vlserve kernels: %s)" % said)
 
 
@@ -452,5 +438,5 @@ def _load(root: Path | None, build_missing: bool = True) -> Kernels:
     )
     log.info("native kernels: %s", status)
     prompts = bf16 and AMX_FLAG not in (_cpu_flags() or [])
-    prefetch = prefetch_rows(_cpuinfo_field("vendor_id"))
+    prefetch = prefetch_rows(cpuinfo_field("vendor_id"))
     return Kernels(ops=ops, tier=tier, bf16=bf16, prefetch_rows=prefetch, prompts=prompts, amx=amx, status=status)
