@@ -97,6 +97,43 @@ def test_audit_on_localhost_shows_the_plan_and_changes_nothing(tmp_path):
     assert "1 host(s): " in result.stdout
 
 
+def test_a_later_play_of_the_run_keeps_the_plan_only_when_told(tmp_path):
+    """A rollout's batches reuse the plan the play before them made (vlserve_facts_reuse_plan); a play
+    without it probes again. The captured facts change between the plays, so a probe would show."""
+    names = {"small": "cloud-vm-2vcpu.json", "large": "xeon-gold-6248r-2s.json"}
+    small, large = (json.loads((TOPOLOGIES / name).read_text()) for name in names.values())
+    plays = [
+        {
+            "name": name,
+            "hosts": "localhost",
+            "gather_facts": False,
+            "roles": [
+                {"role": "vlserve_facts", "vars": {"vlserve_facts_captured": facts, "vlserve_facts_reuse_plan": reuse}}
+            ],
+            "post_tasks": [
+                {
+                    "name": "Show the workers",
+                    "ansible.builtin.debug": {"msg": "%s: {{ vlserve_plan.workers.count }} workers" % name},
+                }
+            ],
+        }
+        for name, facts, reuse in (("first", small, False), ("reused", large, True), ("probed", large, False))
+    ]
+    (tmp_path / "plays.yml").write_text(yaml.safe_dump(plays))
+    # playbooks/host_vars/localhost.yml's interpreter, for plays outside playbooks/
+    interpreter = "ansible_python_interpreter={{ ansible_playbook_python }}"
+    result = playbook(str(tmp_path / "plays.yml"), "-e", "vlserve_facts_quantize=none", "-e", interpreter)
+    assert result.returncode == 0, result.stdout + result.stderr
+    counts = {}
+    for size, name in names.items():
+        plan = run_tool("vlserve", "plan", "--facts", str(TOPOLOGIES / name), "--json", "--quantize", "none")
+        counts[size] = json.loads(plan.stdout)["workers"]["count"]
+    assert counts["small"] != counts["large"], counts
+    assert "first: %d workers" % counts["small"] in result.stdout
+    assert "reused: %d workers" % counts["small"] in result.stdout
+    assert "probed: %d workers" % counts["large"] in result.stdout
+
+
 def test_audit_refuses_to_run_without_check():
     result = playbook("playbooks/audit.yml", check=False)
     assert result.returncode != 0
