@@ -530,10 +530,11 @@ def test_a_bad_certificate_fails_the_play_before_any_change_naming_the_file(gues
 def test_a_missing_model_fails_the_unit_fast_and_the_host_gets_its_last_good_deployment_back(
     guest, workdir, deployed, host_vars, tmp_path
 ):
-    """Last (it leaves the host on another model directory than the inventory's): the new units point
-    at a directory with no checkpoint; the worker stops at once naming it, the play puts the last good
-    deployment back (its units and settings, the model directory they name), checks it, and fails
-    naming the host and the cause."""
+    """Last (it leaves the host on another model directory than the inventory's). An unpinned controller
+    directory that is no checkpoint at all stops the play on the controller (taking its lock) before
+    any change. Then the new units point at a checkpoint without weights; the worker stops at once
+    naming it, the play puts the last good deployment back (its units and settings, the model
+    directory they name), checks it, and fails naming the host and the cause."""
     empty = tmp_path / "no-model"
     empty.mkdir()
     (empty / "README").write_text("not a checkpoint\n")
@@ -541,17 +542,23 @@ def test_a_missing_model_fails_the_unit_fast_and_the_host_gets_its_last_good_dep
         host_vars,
         vlserve_deploy_model_controller_dir=str(empty),
         vlserve_deploy_model_dir="/srv/no-model",
-        vlserve_deploy_model_lock={},  # unpinned: the worker itself finds the fault
+        vlserve_deploy_model_lock={},  # unpinned: locked once on the controller, then the worker finds the fault
     )
+    pids = [main_pid(guest, 0), main_pid(guest, 1)]
+    refused = play(guest, workdir, "playbooks/deploy.yml", **broken)
+    assert refused.returncode != 0 and "has no config.json: not a Hugging Face checkpoint" in refused.stdout
+    assert "Lock the controller's unpinned model" in refused.stdout and "changed: [guest]" not in refused.stdout
+    assert [main_pid(guest, 0), main_pid(guest, 1)] == pids
+    shutil.copy(pathlib.Path(host_vars["vlserve_deploy_model_controller_dir"]) / "config.json", empty)
     started = time.monotonic()
     result = play(guest, workdir, "site.yml", **broken)
     assert result.returncode != 0
     said = " ".join(result.stdout.split())
-    assert "has no config.json: not a Hugging Face checkpoint" in said, said[-3000:]
+    assert "has no *.safetensors weights" in said, said[-3000:]
     assert "guest failed its rollout at" in said and "it runs its last good deployment" in said, said[-3000:]
     assert time.monotonic() - started < 400
     journal = guest.ssh("journalctl -u vlserve@0.service --no-pager -n 300 -o cat").stdout
-    assert "cannot start: /srv/no-model has no config.json" in journal
+    assert "cannot start: /srv/no-model has no *.safetensors weights" in journal
     # Back on what passed its gate last: the workers run and the front answers.
     assert guest.ssh("systemctl is-active vlserve@0.service vlserve@1.service", check=False).stdout.split() == [
         "active",
