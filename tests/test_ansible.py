@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import shutil
 import typing
 
 import pytest
@@ -132,6 +133,51 @@ def test_a_later_play_of_the_run_keeps_the_plan_only_when_told(tmp_path):
     assert "first: %d workers" % counts["small"] in result.stdout
     assert "reused: %d workers" % counts["small"] in result.stdout
     assert "probed: %d workers" % counts["large"] in result.stdout
+
+
+def test_an_unpinned_controller_model_is_locked_once_a_run_for_each_directory(tmp_path, tiny_model):
+    """Each host's copy of an unpinned controller model is held to the directory's lock as the run
+    found it: taken once for the hosts that share the first host's directory, once more by a host
+    with a directory of its own (the deploy role's checks, three hosts on localhost, check mode)."""
+    shared, own = tmp_path / "shared", tmp_path / "own"
+    shutil.copytree(tiny_model, shared)
+    shutil.copytree(tiny_model, own)
+    (own / "generation_config.json").write_text('{"note": "this host\'s own"}\n')
+    hosts = {"first": shared, "second": own, "third": shared}
+    inventory = {
+        "all": {
+            "hosts": {name: {"vlserve_deploy_model_controller_dir": str(path)} for name, path in hosts.items()},
+            "vars": {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                "vlserve_deploy_model_source": "controller",
+            },
+        }
+    }
+    (tmp_path / "inventory.yml").write_text(yaml.safe_dump(inventory))
+    shows = "{{ inventory_hostname }} pins {{ __vlserve_deploy_model_pin.files['generation_config.json'].sha256 }}"
+    plays = [
+        {
+            "name": "Checks",
+            "hosts": "all",
+            "gather_facts": False,
+            "tasks": [
+                {"ansible.builtin.include_role": {"name": "vlserve_deploy", "tasks_from": "checks", "public": True}},
+                {"name": "Show the pin", "ansible.builtin.debug": {"msg": shows}},
+            ],
+        }
+    ]
+    (tmp_path / "plays.yml").write_text(yaml.safe_dump(plays))
+    result = run_tool("ansible-playbook", "-i", str(tmp_path / "inventory.yml"), str(tmp_path / "plays.yml"), "--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name, path in hosts.items():
+        expected = hashlib.sha256((path / "generation_config.json").read_bytes()).hexdigest()
+        assert "%s pins %s" % (name, expected) in result.stdout, result.stdout[-3000:]
+    # one lock of the shared directory (the first host's, for all), one of the other directory
+    sections = {part.split("]", 1)[0]: part for part in result.stdout.split("TASK [vlserve_deploy : ")[1:]}
+    assert "ok: [first -> localhost]" in sections["Lock the controller's unpinned model, once a run"]
+    own = sections["Lock a host's own unpinned model directory"]
+    assert "ok: [second -> localhost]" in own and "skipping: [first]" in own and "skipping: [third]" in own, own
 
 
 def test_audit_refuses_to_run_without_check():
