@@ -305,7 +305,7 @@ namespace {
 // weights read at once, as q8.cpp's decode product streams its tiles. A decode step's products of the
 // real-size model on the 2-vCPU AMX Xeon: one row 24 GB/s with a tile's four adjacent rows a thread at
 // a time (one stream, in effect), 26-28 with four tiles apart, 28-30 with 16 rows apart, the memory
-// reading 28-33; two rows 25 with two tiles apart, 29-31 with 8 rows apart. The same sums in the same
+// reading 28-33 (a later day: 8 apart faster than 16, below); two rows 25 with two tiles apart, 29-31 with 8 rows apart. The same sums in the same
 // order whatever rows come together, so a row's bits do not depend on the grouping.
 template <int M, int S, bool Prefetch>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const at::BFloat16* const* w, int64_t k,
@@ -361,8 +361,11 @@ void bf16_dispatch(bool prefetch, const at::BFloat16* w, int64_t k, int64_t n0, 
   else bf16_outputs<M, false>(w, k, n0, n1, x, bias, out, ldo);
 }
 
-// Weight rows streamed at once by M rows: as many as 16 sums allow.
-constexpr int bf16_streams_for(int m) { return 16 / m; }
+// Weight rows streamed at once by M rows: as many as 16 sums allow, but eight for one row. On the
+// 2-vCPU AMX Xeon (2026-12-06, bench-decode at `none`, one sequence, interleaved pairs) 16 streams took
+// 153.0-159.7 ms a step and 8 took 139.2-148.8 (3 pairs, each 11-14 ms faster); 4 against 8, 127.3-133.7
+// against 131.4-137.1 ms (3 pairs: within the noise), so 8, as two rows take.
+constexpr int bf16_streams_for(int m) { return m == 1 ? 8 : 16 / m; }
 constexpr int kMaxBf16Streams = 16;
 
 template <int M>
