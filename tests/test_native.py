@@ -38,6 +38,7 @@ needs_avx512 = pytest.mark.skipif(TIER != "avx512_vnni", reason="the op needs th
 HAS_BF16 = TIER == "avx512_vnni" and native.BF16_FLAG in (native._cpu_flags() or [])
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="the bfloat16 kernel needs AVX-512 VNNI and BF16")
 SERVES_PROMPTS = HAS_BF16 and native.AMX_FLAG not in (native._cpu_flags() or [])
+needs_amx = pytest.mark.skipif(not (HAS_BF16 and native.amx_allowed()), reason="the AMX product needs AMX BF16")
 
 
 @pytest.fixture
@@ -159,33 +160,70 @@ def test_an_int8_weight_multiplies_every_row_count_through_the_kernel(loaded, mo
     assert calls == [(1, 128), (4, 128), (5, 128), (40, 128)]
 
 
-@needs_bf16
-@pytest.mark.parametrize("shape", [(1, 32), (40, 96), (4099, 2048), (70, 6144)])
-def test_int8_tiles_made_bfloat16_are_each_weight_times_its_scale_rounded(ops, shape):
-    """AMX's route for long products starts from this: the weight the tiles stand for, rounded to
-    bfloat16 as torch rounds it, every output and block (partial last tile included)."""
-    outputs, inputs = shape
-    generator = torch.Generator().manual_seed(outputs)
+def _amx_ops(ops):
+    if not ops.amx_permitted():
+        pytest.skip("Linux refuses AMX's tiles to this process")
+    return ops
+
+
+def _bfloat16_weight(outputs: int, inputs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 tiles of a random weight, and each weight times its block's scale rounded to bfloat16."""
+    generator = torch.Generator().manual_seed(seed)
     values, scales = quantize_blocks(torch.randn(outputs, inputs, generator=generator) * 3, torch.float16)
     exact = (values.float().reshape(outputs, -1, 32) * scales.float()[..., None]).reshape(outputs, inputs)
-    assert torch.equal(ops.q8_bfloat16(q8_tiles(values, scales), outputs, inputs), exact.bfloat16())
+    return q8_tiles(values, scales), exact.bfloat16()
 
 
-@needs_bf16
-def test_on_amx_long_bfloat16_products_take_the_weight_made_bfloat16(loaded):
-    """Where oneDNN multiplies bfloat16 on AMX (`Kernels.amx`), an int8 weight sends AMX_PROMPT_ROWS
-    bfloat16 rows or more through oneDNN on the weight made bfloat16, fewer rows (and float32 ones) to
-    vlserve's int8 product; either is the product of the rounded weight, the AMX route without
-    rounding the rows to int8, so nearer to it."""
+@needs_amx
+@pytest.mark.parametrize("shape", [(1, 32, 16), (40, 96, 40), (64, 2048, 80), (100, 6144, 48), (33, 64, 5000)])
+def test_the_amx_product_is_the_bfloat16_weights_sum_rounded_once(ops, shape):
+    """Rows in passes of 32 (a partial last one, fewer than 16) times tiles in pairs (an odd one out,
+    outputs not a multiple of 16), inputs from one block to 6144 (fewer tiles a task), thousands of
+    outputs (many tasks): one-hot rows give back each weight exactly, as torch rounds w x d; random
+    rows, with and without a bias, the float64 sum within float32's accumulation and one rounding."""
+    rows, inputs, outputs = shape
+    tiles, weight = _bfloat16_weight(outputs, inputs, sum(shape))
+    amx = _amx_ops(ops)
+    assert torch.equal(amx.q8_amx(torch.eye(inputs, dtype=torch.bfloat16), tiles, None, outputs), weight.t())
+    x = torch.randn(rows, inputs).bfloat16()
+    for bias in (None, torch.randn(outputs)):
+        expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+        got = amx.q8_amx(x, tiles, bias, outputs)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
+        slack = 1e-5 * (x.double().abs() @ weight.double().abs().t()) + expected.abs() * 2**-8
+        assert torch.all((got.double() - expected).abs() <= slack)
+    assert torch.equal(amx.q8_amx(x.t().contiguous().t(), tiles, None, outputs), amx.q8_amx(x, tiles, None, outputs))
+
+
+@needs_amx
+def test_the_amx_product_refuses_what_it_cannot_multiply(ops):
+    tiles, _ = _bfloat16_weight(40, 64, 0)
+    amx = _amx_ops(ops)
+    for x, tiles_, bias, outputs, said in (
+        (torch.randn(3, 64), tiles, None, 40, "bfloat16"),
+        (torch.randn(3, 96).bfloat16(), tiles, None, 40, "shape"),
+        (torch.randn(3, 48).bfloat16(), tiles, None, 40, "blocks of 32"),
+        (torch.randn(3, 64).bfloat16(), tiles, torch.randn(39), 40, "one bias per output"),
+        (torch.randn(3, 64).bfloat16(), tiles, None, 50, "shape"),
+    ):
+        with pytest.raises(RuntimeError, match=said):
+            amx.q8_amx(x, tiles_, bias, outputs)
+
+
+@needs_amx
+def test_on_amx_long_bfloat16_products_take_its_tiles(loaded):
+    """Where AMX runs (`Kernels.amx`), an int8 weight sends AMX_PROMPT_ROWS bfloat16 rows or more to its
+    tiles, fewer rows (and float32 ones) to vlserve's int8 product; either is the product of the rounded
+    weight, the AMX route without rounding the rows to int8, so nearer to it."""
+    if not loaded.amx:
+        pytest.skip("the loaded kernels do not run AMX here: %s" % loaded.status)
     calls = []
-    on_amx = dataclasses.replace(loaded, amx=True)
-    kernel, to_bfloat16 = on_amx.q8_linear(), on_amx.q8_bfloat16()
+    on_amx = dataclasses.replace(loaded)
+    kernel, amx = on_amx.q8_linear(), on_amx.q8_amx()
     object.__setattr__(on_amx, "q8_linear", lambda: lambda *args: calls.append(("int8", len(args[0]))) or kernel(*args))
-    object.__setattr__(
-        on_amx, "q8_bfloat16", lambda: lambda *args: calls.append(("bfloat16", args[1])) or to_bfloat16(*args)
-    )
+    object.__setattr__(on_amx, "q8_amx", lambda: lambda *args: calls.append(("amx", len(args[0]))) or amx(*args))
     torch.manual_seed(5)
-    weight = Int8Weight.on(on_amx)(torch.randn(48, 256), torch.randn(48).bfloat16().float())
+    weight = Int8Weight.on(on_amx)(torch.randn(48, 256), torch.randn(48))
     exact_weight = weight.dequantized().double()
     long_rows = native.AMX_PROMPT_ROWS
     errors = {}
@@ -195,7 +233,7 @@ def test_on_amx_long_bfloat16_products_take_the_weight_made_bfloat16(loaded):
         got = weight.matmul(x)
         assert got.dtype == dtype and got.shape == (rows, 48)
         errors[rows, dtype] = float((got.double() - exact).norm() / exact.norm())
-    assert calls == [("int8", long_rows - 1), ("bfloat16", 48), ("int8", long_rows)]
+    assert calls == [("int8", long_rows - 1), ("amx", long_rows), ("int8", long_rows)]
     # bfloat16 weights and results (2^-9 each) against rows rounded to int8 per block of 32 (about 2^-8)
     assert errors[long_rows, torch.bfloat16] < 0.6 * errors[long_rows - 1, torch.bfloat16]
     assert max(errors.values()) < 0.02

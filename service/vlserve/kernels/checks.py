@@ -20,7 +20,7 @@ class Mismatch(Exception):
     """Which op's check differed from its reference, in one line."""
 
 
-def check(ops, tier: str, bf16: bool) -> None:
+def check(ops, tier: str, bf16: bool, amx: bool = False) -> None:
     """The loaded kernels of `tier` against references on a few shapes: a miscompiled build is not used.
     int8: the exact sum of the same rounded quantities (float64), within float32's accumulation error.
     int4: the same rounded quantities summed in float64."""
@@ -42,7 +42,8 @@ def check(ops, tier: str, bf16: bool) -> None:
         _check_int4(ops, generator)
     if bf16:
         _check_bf16(ops, generator)
-        _check_q8_bfloat16(ops, generator)
+    if amx:
+        _check_q8_amx(ops, generator)
     _check_decoder_ops(ops, generator, attention_op=tier == "avx512_vnni")
     _check_stream_read(ops, generator, tier)
     if tier == "avx512_vnni":
@@ -57,13 +58,23 @@ def _check_stream_read(ops, generator: torch.Generator, tier: str) -> None:
             raise Mismatch("its memory read's sum of %d bytes differs from torch's" % size)
 
 
-def _check_q8_bfloat16(ops, generator: torch.Generator) -> None:
-    """q8_bfloat16: each weight's value times its block's scale, rounded to bfloat16 as torch rounds."""
+def _check_q8_amx(ops, generator: torch.Generator) -> None:
+    """q8_amx: one-hot rows give each weight times its block's scale, rounded to bfloat16 as torch rounds
+    (exact: one product a result); random rows, with a bias, the exact sum within float32's
+    accumulation error and one bfloat16 rounding. 40 rows and 40 outputs: a partial pass and tile."""
     outputs, inputs = 40, 96
     values, scales = quantize_blocks(torch.randn(outputs, inputs, generator=generator), torch.float16)
-    expected = (values.float().reshape(outputs, -1, 32) * scales.float()[..., None]).reshape(outputs, inputs)
-    if not torch.equal(ops.q8_bfloat16(q8_tiles(values, scales), outputs, inputs), expected.bfloat16()):
-        raise Mismatch("its int8-to-bfloat16 check differs from the reference")
+    tiles = q8_tiles(values, scales)
+    weight = (values.float().reshape(outputs, -1, 32) * scales.float()[..., None]).reshape(outputs, inputs).bfloat16()
+    if not torch.equal(ops.q8_amx(torch.eye(inputs, dtype=torch.bfloat16), tiles, None, outputs), weight.t()):
+        raise Mismatch("its AMX product's weights differ from the reference")
+    x = torch.randn(outputs, inputs, generator=generator).bfloat16()
+    bias = torch.randn(outputs, generator=generator)
+    expected = x.double() @ weight.double().t() + bias.double()
+    got = ops.q8_amx(x, tiles, bias, outputs).double()
+    slack = 1e-5 * (x.double().abs() @ weight.double().abs().t()) + expected.abs() * 2**-8
+    if not torch.all((got - expected).abs() <= slack):
+        raise Mismatch("its AMX product differs from the reference by %.3g" % (got - expected).abs().max())
 
 
 def _check_int4(ops, generator: torch.Generator) -> None:

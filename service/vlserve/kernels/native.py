@@ -9,8 +9,8 @@ Two ISA tiers, picked from the CPU and torch's view of it (ATEN_CPU_CAPABILITY h
   GB/s, this one holds 19-20 GB/s); the decoder's norm, rotary and one-query attention in one call each,
   and a decode step's whole decoder layer in one call (kernels/decoder_layer.cpp); with AVX-512 BF16
   too, the attention of prompts and images in bfloat16 (kernels/prompt_attention.cpp). With AMX, a
-  prompt's or image's int8 products from AMX_PROMPT_ROWS rows on are oneDNN's bfloat16 ones on AMX,
-  the int8 weights made bfloat16 a layer at a time (q8_bfloat16): faster than vpdpbusd there.
+  prompt's or image's int8 products from AMX_PROMPT_ROWS rows on run on AMX's bfloat16 tiles (q8_amx:
+  the weight made bfloat16 a few tiles at a time in the core's cache): faster than vpdpbusd there.
 - `avx2` (AVX2, FMA and F16C: every x86-64 server CPU since 2013, and AVX-512 CPUs without VNNI):
   the int8 product (kernels/q8.cpp, equal to the AVX-512 one bit for bit), the norm and the rotary.
   int4 weights go through torch's int4 kernel there, attention through vlserve.model.attention's Python path.
@@ -92,11 +92,11 @@ BF16_FLAG = "avx512_bf16"  # bf16_linear's vdpbf16ps, beyond the avx512_vnni tie
 # With AMX, torch's flash attention multiplies bfloat16 prompts on its tiles (prompt_attention's
 # vdpbf16ps is not measured against them): there prompts and images keep sdpa.
 AMX_FLAG = "amx_bf16"
-# With AMX, the int8 products of this many bfloat16 rows or more run as oneDNN's bfloat16 product with
-# the weight made bfloat16 for the call (q8_bfloat16): on a 2-core Xeon with AMX (two threads), 720 x
-# 1024 x 4096 in 3.1 ms against 7.5 on vpdpbusd (oneDNN on a bfloat16 weight: 2.8), 403 x 2048 x 6144
-# 6.7 against 12.1, even at 128 rows (3.6 against 3.9), behind below (64 rows: 3.2 against 2.1).
-AMX_PROMPT_ROWS = 128
+# With AMX, the int8 products of this many bfloat16 rows or more run on its tiles (q8_amx), which pay
+# the weight's conversion whatever the rows: on a 2-vCPU Xeon with AMX (two threads, medians of 7),
+# 12288 x 2048 at 32 rows 2.15 ms against 2.46 on vpdpbusd, 2048 x 6144 1.10 against 1.28; at 16 rows
+# 2.58 against 1.53 and 1.40 against 0.71; at 256 rows 7.7 against 18.1 and 3.8 against 9.3.
+AMX_PROMPT_ROWS = 32
 BF16_INPUT_MULTIPLE = 32  # its inputs per vdpbf16ps
 PROMPT_ATTENTION_DIM_MULTIPLE = 64  # prompt_attention's head dimension: four vectors of its output tile
 COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # no FMA: equal results
@@ -120,9 +120,10 @@ def prefetch_rows(vendor: str | None) -> int:
     return 3 if vendor == "AuthenticAMD" else 1
 
 
-def onednn_amx() -> bool:
-    """Whether oneDNN (torch's bfloat16 products) runs on AMX here: the CPU has AMX BF16 and
-    ONEDNN_MAX_CPU_ISA, where set, allows it (AVX512_CORE_AMX and up, ALL, DEFAULT)."""
+def amx_allowed() -> bool:
+    """Whether the CPU has AMX BF16 and ONEDNN_MAX_CPU_ISA, where set, allows it (AVX512_CORE_AMX and up,
+    ALL, DEFAULT): the variable that holds torch's products below AMX holds vlserve's too, so one
+    setting imitates a CPU without it."""
     if AMX_FLAG not in (_cpu_flags() or []):
         return False
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
@@ -294,7 +295,7 @@ class Kernels:
     bf16: bool = False  # the CPU runs bf16_linear (AVX-512 BF16)
     prefetch_rows: int = 1  # bf16_linear prefetches from this many rows on (prefetch_rows())
     prompts: bool = False  # prompt_attention serves bfloat16 prompts and images (AVX-512 BF16, no AMX)
-    amx: bool = False  # oneDNN multiplies bfloat16 on AMX: long int8 products go through q8_bfloat16
+    amx: bool = False  # AMX's tiles multiply long int8 products (q8_amx)
     status: str = STOCK  # as /readyz and /status show it
 
     def q8_linear(self):
@@ -305,12 +306,12 @@ class Kernels:
         op, isa = self.ops.q8_linear, self.tier
         return lambda x, tiles, bias, outputs: op(x, tiles, bias, outputs, isa)
 
-    def q8_bfloat16(self):
-        """Where the int8 products of AMX_PROMPT_ROWS bfloat16 rows or more go through oneDNN on AMX, the
-        op that makes int8 tiles a plain weight again, else None: tiles, outputs, inputs, into (None or a
-        bfloat16 buffer of at least outputs x inputs values to write into) -> (outputs, inputs) bfloat16,
-        each weight times its block's scale rounded to nearest even."""
-        return self.ops.q8_bfloat16 if self.amx else None
+    def q8_amx(self):
+        """The int8 op for AMX_PROMPT_ROWS bfloat16 rows or more where AMX runs it, else None: (rows, in)
+        bfloat16 x tiles (formats.q8_tiles), bias or None, outputs -> (rows, outputs) bfloat16, the rows
+        unrounded times each weight times its block's scale rounded to bfloat16 (nearest even), summed
+        in float32, plus the bias, rounded once."""
+        return self.ops.q8_amx if self.amx else None
 
     def bf16_linear(self):
         """The bfloat16 op where the CPU runs it, or None: (rows, in) bfloat16 x (out, in)
@@ -418,7 +419,9 @@ def _load(root: Path | None, build_missing: bool = True) -> Kernels:
         torch.ops.load_library(str(path))
         ops = torch.ops.vlserve
         bf16 = tier == "avx512_vnni" and BF16_FLAG in (_cpu_flags() or [])
-        checks.check(ops, tier, bf16)
+        # q8_amx converts with vcvtne2ps2bf16 (AVX-512 BF16); Linux before 5.16 refuses the tiles
+        amx = bf16 and amx_allowed() and bool(ops.amx_permitted())
+        checks.check(ops, tier, bf16, amx)
     except (NativeUnavailable, checks.Mismatch) as error:
         kernels = Kernels(status=KERNELS_STOCK + str(error))
         log.info("native kernels: %s", kernels.status)
@@ -427,12 +430,11 @@ def _load(root: Path | None, build_missing: bool = True) -> Kernels:
         kernels = Kernels(status=KERNELS_STOCK + "the built kernels do not load (%s)" % str(error).splitlines()[0])
         log.warning("native kernels: %s", kernels.status)
         return kernels
-    amx = bf16 and onednn_amx()  # q8_bfloat16 rounds with vcvtne2ps2bf16 (AVX-512 BF16)
     status = KERNELS_OWN + "%s (%s%s%s) %s %s" % (
         TIER_NAMES[tier],
         "bf16/" if bf16 else "",
         TIER_OPS[tier],
-        ", long int8 products as bfloat16 on AMX" if amx else "",
+        ", long int8 products on AMX" if amx else "",
         "built into" if built else "loaded from",
         path,
     )

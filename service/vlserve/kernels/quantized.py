@@ -40,7 +40,6 @@ group's range, so its rounding step, is narrower: 32, as llama.cpp's blocks.
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -117,22 +116,8 @@ def _q8_tiles_of(matrix: torch.Tensor) -> tuple[torch.Tensor]:
     return (q8_tiles(*quantize_blocks(matrix, torch.float16)),)
 
 
-_scratches = threading.local()
-
-
-def _scratch(values: int) -> torch.Tensor:
-    """This thread's buffer for a weight made bfloat16, grown to `values` where smaller: one buffer a
-    worker keeps (its largest layer: 50 MB for the real-size model's fused gate and up projections)
-    instead of a fresh tensor each call, which the kernel maps and zeroes every time (0.3 s of an int8
-    first turn went to that)."""
-    buffer = getattr(_scratches, "buffer", None)
-    if buffer is None or buffer.numel() < values:
-        buffer = _scratches.buffer = torch.empty(values, dtype=torch.bfloat16)
-    return buffer
-
-
 def _amx_rows(rows: torch.Tensor) -> bool:
-    """Whether an int8 product of `rows` goes through oneDNN's bfloat16 one where the CPU has AMX."""
+    """Whether an int8 product of `rows` goes to AMX's tiles where the CPU has AMX."""
     return rows.dtype == torch.bfloat16 and rows.shape[0] >= native.AMX_PROMPT_ROWS
 
 
@@ -184,13 +169,10 @@ class Int8Weight(KernelBound):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (n, in) of any float dtype -> (n, out): the rows' dtype (vlserve's kernel) or float32."""
-        to_bfloat16 = self.kernels.q8_bfloat16()
-        if self.tiles is not None and to_bfloat16 is not None and _amx_rows(rows):
-            # Many rows on AMX: oneDNN's bfloat16 product outruns vpdpbusd, on the weight made bfloat16
-            # for this call (one layer's, freed after) and the rows unrounded (native.AMX_PROMPT_ROWS).
-            weight = to_bfloat16(self.tiles, self.shape[0], self.shape[1], _scratch(self.shape[0] * self.shape[1]))
-            bias = None if self.bias is None else self.bias.bfloat16()
-            return torch.nn.functional.linear(rows, weight, bias)
+        on_amx = self.kernels.q8_amx()
+        if self.tiles is not None and on_amx is not None and _amx_rows(rows):
+            # Many rows on AMX: its bfloat16 tiles outrun vpdpbusd, on the rows unrounded (native.AMX_PROMPT_ROWS).
+            return on_amx(rows, self.tiles, self.bias, self.shape[0])
         if self.tiles is not None:
             kernel = self.kernels.q8_linear()
             if kernel is None:  # the weight cache keys its int8 files by layout: not reached in a worker

@@ -230,12 +230,12 @@ def _compute_dtype(cpu: dict[str, Any], dtype: str, quantize: str, *, work: str,
 def amx_int8_why(cpu: dict[str, Any]) -> str:
     """How the int8 weights multiply many rows on an AMX CPU (a clause to append), else "".
 
-    There oneDNN's bfloat16 products on AMX tiles outrun vpdpbusd's int8 ones, so from 128 rows on
-    (vlserve.kernels.native.AMX_PROMPT_ROWS) each layer's int8 weight is made bfloat16 for the call and
-    the rows, unrounded, go through oneDNN: on a 2-core Xeon with AMX, 720 x 1024 x 4096 took 3.1-3.2 ms
-    against 7.2-7.5 on vpdpbusd (2.8 with a bfloat16 weight), and a first turn's forward (a 480x384
-    image, 403 tokens) took int8 1.69-1.74 s (before: 2.70-2.81), int4 1.68-1.80 (2.72-2.83), the
-    exact level 1.64-1.69 (2026-12-05, docs/quantization.md)."""
+    There AMX's bfloat16 tiles outrun vpdpbusd's int8 products, so from 32 rows on
+    (vlserve.kernels.native.AMX_PROMPT_ROWS) the rows, unrounded, multiply the int8 weights made bfloat16
+    a few tiles at a time in the core's cache (kernels/q8.cpp): on a 2-vCPU Xeon with AMX, a first
+    turn's forward (a 480x384 image, 231 tokens) took int8 1.34 s and int4 1.35 against `none`'s 1.31
+    (before, with each layer made bfloat16 in memory for oneDNN: 1.55 and 1.57; 2026-12-06,
+    docs/quantization.md)."""
     if is_arm(cpu) or not cpu["isa"].get("amx_bf16"):
         return ""
-    return "; on AMX, from 128 rows as bfloat16 products of the int8 weights made bfloat16 a layer at a time"
+    return "; on AMX, from 32 rows on its bfloat16 tiles, the int8 weights made bfloat16 in the cache (as fast as none)"
