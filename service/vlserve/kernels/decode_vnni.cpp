@@ -56,6 +56,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "lanes.h"
@@ -565,10 +566,12 @@ namespace {
 // alone left those reads at 9-16 GB/s on a 2-vCPU Xeon with AMX (28 layers' keys and values for one
 // and for four sequences of 280 tokens; the memory reads 27-35 GB/s there). Each row is asked for
 // `kRowsAhead` rows before it is used, and near a head's end the next head's first rows: 17-23 GB/s
-// (8 rows ahead about the same, 32 slower).
+// (8 rows ahead about the same, 32 slower). Into L2, not L1 (2026-12-06, the same loop with the
+// cache evicted between passes as a step's weights evict it, four sequences: 5.1-5.3 ms against
+// 5.5-5.8; 24-48 rows ahead no better): fewer of L1's fill buffers held by rows not yet needed.
 constexpr int64_t kRowsAhead = 16;
 
-// Row `t` of a head's `tokens` rows (`stride` apart) into L1, or row t - tokens of the next head's
+// Row `t` of a head's `tokens` rows (`stride` apart) into L2, or row t - tokens of the next head's
 // (`next_rows`, nullptr after a thread's last head): prefetches do not fault, but no pointer is made
 // outside the cache's buffers.
 template <typename T>
@@ -580,7 +583,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void prefetch_row(const T* ro
   else if (next_rows != nullptr && t - tokens < tokens)
     row = next_rows + (t - tokens) * stride;
   if (row == nullptr) return;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)row + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)row + b, _MM_HINT_T1);
 }
 
 // One key head's scores: `group` float32 query rows (scaled) times `tokens` key rows.
@@ -599,8 +602,97 @@ __attribute__((target("avx512f,avx512bw"))) void head_scores(const float* wide, 
   }
 }
 
+// A bfloat16 row of 32 as float32: its even elements (shifted up) and its odd ones (masked), one
+// instruction each where load16 takes two for 16. Sums over them come in another order than load16's.
+__attribute__((target("avx512f,avx512bw"))) inline void load32_split(const at::BFloat16* x, __m512& even,
+                                                                     __m512& odd) {
+  const __m512i v = _mm512_loadu_si512(x);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+// The scores of Qwen3-VL's shape (bfloat16 keys, 128 values a head, two query heads a key head), eight
+// key rows at a time: a row's two heads' sums fold into one vector (its halves), and eight such
+// vectors into one of 16 scores by three rounds of shuffles and adds, where a reduction a head and row
+// took about twice the instructions. `query` is the two heads' scaled query as even then odd elements
+// (query[h][2c] the even, [2c + 1] the odd of chunk c); rows past `tokens` read `zeros`.
+__attribute__((target("avx512f,avx512bw"))) void head_scores_pair_128(const __m512 (*query)[8],
+                                                                       const at::BFloat16* key, int64_t key_stride,
+                                                                       int64_t tokens, const at::BFloat16* next_key,
+                                                                       float* out) {
+  alignas(64) static const at::BFloat16 zeros[128] = {};
+  // After the rounds, lanes 0-3 hold head 0's rows 0, 2, 4, 6, lanes 4-7 head 1's, lanes 8-15 the odd
+  // rows the same way: `order` puts head 0's eight rows first, then head 1's.
+  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  for (int64_t t0 = 0; t0 < tokens; t0 += 8) {
+    __m512 folded[8];
+    for (int r = 0; r < 8; ++r) {
+      const int64_t t = t0 + r;
+      const at::BFloat16* k = t < tokens ? key + t * key_stride : zeros;
+      prefetch_row(key, next_key, key_stride, tokens, t + kRowsAhead, 256);
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        __m512 even, odd;
+        load32_split(k + 32 * c, even, odd);
+        acc0 = _mm512_fmadd_ps(query[0][2 * c], even, acc0);
+        acc1 = _mm512_fmadd_ps(query[1][2 * c], even, acc1);
+        acc0 = _mm512_fmadd_ps(query[0][2 * c + 1], odd, acc0);
+        acc1 = _mm512_fmadd_ps(query[1][2 * c + 1], odd, acc1);
+      }
+      // [head 0: lanes 0-7 + 8-15 | head 1: the same]: 128-bit quarters 0,1 of each, then 2,3.
+      folded[r] = _mm512_add_ps(_mm512_shuffle_f32x4(acc0, acc1, 0x44), _mm512_shuffle_f32x4(acc0, acc1, 0xEE));
+    }
+    // Rows r, r + 1: quarters [r h0, r h0, r h1, r h1] -> [r h0, r h1, r+1 h0, r+1 h1], four sums each.
+    __m512 four[4];
+    for (int r = 0; r < 4; ++r)
+      four[r] = _mm512_add_ps(_mm512_shuffle_f32x4(folded[2 * r], folded[2 * r + 1], 0x88),
+                              _mm512_shuffle_f32x4(folded[2 * r], folded[2 * r + 1], 0xDD));
+    // Within each quarter: two sums of each of two (row, head) pairs, then one of four.
+    __m512 two[2];
+    for (int r = 0; r < 2; ++r)
+      two[r] = _mm512_add_ps(_mm512_shuffle_ps(four[2 * r], four[2 * r + 1], 0x44),
+                             _mm512_shuffle_ps(four[2 * r], four[2 * r + 1], 0xEE));
+    const __m512 one = _mm512_add_ps(_mm512_shuffle_ps(two[0], two[1], 0x88), _mm512_shuffle_ps(two[0], two[1], 0xDD));
+    alignas(64) float scores[16];
+    _mm512_store_ps(scores, _mm512_permutexvar_ps(order, one));
+    const int64_t here = std::min<int64_t>(8, tokens - t0);
+    std::copy(scores, scores + here, out + t0);
+    std::copy(scores + 8, scores + 8 + here, out + tokens + t0);
+  }
+}
+
 // One key head's outputs: `group` rows of probabilities times `tokens` value rows, into (group, dim).
 // Qwen3-VL's shape (two query heads a key head, 128 values a head): the sums stay in 16 registers.
+// bfloat16 values: each row split into even and odd elements (load32_split), every output's sum over
+// the rows in the same order as the generic path's, so the same bits with half the conversions.
+template <int G>
+__attribute__((target("avx512f,avx512bw"))) void head_values_128_split(const float* weights,
+                                                                       const at::BFloat16* value,
+                                                                       int64_t value_stride, int64_t tokens,
+                                                                       const at::BFloat16* next_value,
+                                                                       at::BFloat16* out) {
+  __m512 acc[G][8];  // [g][2c]: chunk c's even elements, [g][2c + 1] its odd ones
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const at::BFloat16* v = value + t * value_stride;
+    prefetch_row(value, next_value, value_stride, tokens, t + kRowsAhead, 256);
+    __m512 row[8];
+    for (int c = 0; c < 4; ++c) load32_split(v + 32 * c, row[2 * c], row[2 * c + 1]);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(float(at::BFloat16(weights[g * tokens + t])));  // as the Python path rounds
+      for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_fmadd_ps(p, row[j], acc[g][j]);
+    }
+  }
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) {
+      store16(_mm512_permutex2var_ps(acc[g][2 * c], low, acc[g][2 * c + 1]), out + g * 128 + 32 * c);
+      store16(_mm512_permutex2var_ps(acc[g][2 * c], high, acc[g][2 * c + 1]), out + g * 128 + 32 * c + 16);
+    }
+}
+
 template <typename T, int G>
 __attribute__((target("avx512f,avx512bw"))) void head_values_128(const float* weights, const T* value,
                                                                  int64_t value_stride, int64_t tokens,
@@ -626,6 +718,10 @@ template <typename T>
 __attribute__((target("avx512f,avx512bw"))) void head_values(const float* weights, int64_t group, const T* value,
                                                              int64_t value_stride, int64_t tokens, int64_t dim,
                                                              const T* next_value, float* acc, T* out) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (dim == 128 && group == 2)
+      return head_values_128_split<2>(weights, value, value_stride, tokens, next_value, out);
+  }
   if (dim == 128 && group == 2) return head_values_128<T, 2>(weights, value, value_stride, tokens, next_value, out);
   if (dim == 128 && group == 1) return head_values_128<T, 1>(weights, value, value_stride, tokens, next_value, out);
   std::fill(acc, acc + group * dim, 0.f);
@@ -641,6 +737,22 @@ __attribute__((target("avx512f,avx512bw"))) void head_values(const float* weight
   for (int64_t j = 0; j < group * dim; j += 16) store16(_mm512_loadu_ps(acc + j), out + j);
 }
 
+// head_scores_pair_128 with the two heads' scaled query (`wide`, 256 floats) split into even and odd elements.
+__attribute__((target("avx512f,avx512bw"))) inline void scores_pair_128(const float* wide, const at::BFloat16* key,
+                                                                         int64_t key_stride, int64_t tokens,
+                                                                         const at::BFloat16* next_key, float* out) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512 query[2][8];
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < 4; ++c) {
+      const __m512 lo = _mm512_loadu_ps(wide + h * 128 + 32 * c), hi = _mm512_loadu_ps(wide + h * 128 + 32 * c + 16);
+      query[h][2 * c] = _mm512_permutex2var_ps(lo, even, hi);
+      query[h][2 * c + 1] = _mm512_permutex2var_ps(lo, odd, hi);
+    }
+  head_scores_pair_128(query, key, key_stride, tokens, next_key, out);
+}
+
 template <typename T>
 void attention_scores(const at::Tensor& q, const at::Tensor& key, float scale, at::Tensor& scores) {
   const int64_t kv_heads = key.size(1), tokens = key.size(2), dim = key.size(3), group = q.size(1) / kv_heads;
@@ -654,6 +766,13 @@ void attention_scores(const at::Tensor& q, const at::Tensor& key, float scale, a
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j)
           wide[g * dim + j] = float(pq[b * q.stride(0) + (h * group + g) * q.stride(1) + j]) * scale;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (dim == 128 && group == 2) {
+          scores_pair_128(wide.data(), head(i), key.stride(2), tokens, i + 1 < i1 ? head(i + 1) : nullptr,
+                          ps + i * group * tokens);
+          continue;
+        }
+      }
       head_scores(wide.data(), group, head(i), key.stride(2), tokens, dim, i + 1 < i1 ? head(i + 1) : nullptr,
                   ps + i * group * tokens);
     }
