@@ -384,3 +384,23 @@ def test_bench_peer_refuses_a_sweep_without_single_client_figures_and_a_missing_
     assert result.returncode == 2 and "--concurrency needs 1" in result.stderr
     result = run_tool("vlserve", "bench-peer", "--model", str(tmp_path / "none"))
     assert result.returncode == 2 and str(tmp_path / "none") in result.stderr
+
+
+def test_the_peer_build_patches_ggmls_tile_config_load_once_and_records_it(tmp_path):
+    """ggml's `_tile_loadconfig(&tc)` becomes ldtilecfg with the whole struct as operand (GCC 12 may
+    drop the struct's stores otherwise); applying it again changes nothing, and a source without the
+    line is left alone with no patch recorded."""
+    from vlserve.bench.peer import TILE_CONFIG_FILE, patch_tile_config  # noqa: PLC0415
+
+    mmq = tmp_path / TILE_CONFIG_FILE
+    mmq.parent.mkdir(parents=True)
+    original = "    tc.rows[7] = 16;  tc.colsb[7] = 64;\n\n    _tile_loadconfig(&tc);\n    done = true;\n"
+    mmq.write_text(original)
+    first = patch_tile_config(tmp_path)
+    patched = mmq.read_text()
+    assert first and "_tile_loadconfig" not in patched
+    assert 'asm volatile("ldtilecfg %0" :: "m"(tc));' in patched and "tc.rows[7] = 16;" in patched
+    assert patch_tile_config(tmp_path) == first and mmq.read_text() == patched
+    mmq.write_text("    _tile_loadconfig(config_pointer);\n")
+    assert patch_tile_config(tmp_path) == [] and mmq.read_text() == "    _tile_loadconfig(config_pointer);\n"
+    assert patch_tile_config(tmp_path / "elsewhere") == []

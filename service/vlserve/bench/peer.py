@@ -72,6 +72,14 @@ import runpy
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 AMX_OFF_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# ggml's AMX kernels load their tile configuration with `_tile_loadconfig(&tc)` from a struct on the
+# stack. GCC 12's intrinsic names only 8 of its 64 bytes as read, so the compiler may drop the stores
+# that fill it; ldtilecfg then faults on garbage (#GP, reported as SIGILL or a segfault at llama-server's
+# warm-up on AMX hosts; vlserve's own AMX kernel hit the same bug). Upstream's open fix
+# (ggml-org/llama.cpp#26954) moves the struct out of the stack; this is the smallest equivalent: the
+# instruction with the whole struct as its operand. Applied to AMX builds only, recorded with the build.
+TILE_CONFIG_FILE = "ggml/src/ggml-cpu/amx/mmq.cpp"
+TILE_CONFIG_PATCH = ("    _tile_loadconfig(&tc);\n", '    asm volatile("ldtilecfg %0" :: "m"(tc));\n')
 COMMON = {"request_timeout_s": "7200", "max_queue": "1024"}
 # Photos of the load at N clients: seeds LOAD_SEEDS + N * LOAD_SEED_STRIDE on (the later turns' are
 # 5000 on). Every load sends photos no earlier load sent: vlserve serves all the loads of a round from
@@ -91,7 +99,7 @@ class PeerOptions:
     threads: int = 2
     image_size: tuple[int, int] | None = (1280, 720)  # None: text-only questions
     max_tokens: int = 32
-    amx: bool = True  # False: build ggml without its AMX kernels (they crash on some hosts)
+    amx: bool = True  # False: build ggml without its AMX kernels (TILE_CONFIG_PATCH fixes one crash of theirs)
     progress: bool = True
     log: list[str] = field(default_factory=list)
 
@@ -141,9 +149,24 @@ def llama_source(cache: Path, version: str = LLAMA_CPP_PYTHON) -> tuple[Path, st
     return root / "vendor" / "llama.cpp", commit
 
 
+def patch_tile_config(source: Path) -> list[str]:
+    """TILE_CONFIG_PATCH applied to the vendored source (once; a source without the line is left as
+    it is): the patches the source now carries, for the build's record and key."""
+    path = source / TILE_CONFIG_FILE
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    before, after = TILE_CONFIG_PATCH
+    if before in text:
+        text = text.replace(before, after)
+        path.write_text(text)
+    return [TILE_CONFIG_FILE + ": ldtilecfg with the whole tile config as its operand"] if after in text else []
+
+
 def build_llama(cache: Path, amx: bool = True, say=print) -> dict:
-    """llama-server and llama-quantize, native to this CPU (cached per version and flags)."""
+    """llama-server and llama-quantize, native to this CPU (cached per version, flags and patches)."""
     source, commit = llama_source(cache)
+    patches = patch_tile_config(source) if amx else []
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=ON",
@@ -157,7 +180,7 @@ def build_llama(cache: Path, amx: bool = True, say=print) -> dict:
     if not amx:
         # GCC's explicit -mno-* wins over what -march=native turns on, whatever their order.
         flags += ["-DCMAKE_C_FLAGS=" + AMX_OFF_FLAGS, "-DCMAKE_CXX_FLAGS=" + AMX_OFF_FLAGS]
-    key = hashlib.sha256(json.dumps([LLAMA_CPP_PYTHON, commit, flags]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([LLAMA_CPP_PYTHON, commit, flags, *patches]).encode()).hexdigest()[:12]
     build = cache / ("build-" + key)
     record = build / "vlserve-build.json"
     if record.is_file():
@@ -171,6 +194,7 @@ def build_llama(cache: Path, amx: bool = True, say=print) -> dict:
         "llama_cpp_python": LLAMA_CPP_PYTHON,
         "commit": commit,
         "cmake_flags": flags,
+        "patches": patches,
         "amx": amx,
         "server": str(build / "bin" / "llama-server"),
         "quantize": str(build / "bin" / "llama-quantize"),
