@@ -3,15 +3,16 @@ read again into 2 MiB folios after ready where the kernel can, and never churned
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from vlserve.bench import pagehistory
 from vlserve.model import pages
 
 CHUNK = pages.huge_page_bytes()
@@ -32,16 +33,31 @@ def weights(tmp_path: Path) -> Path:
 def in_small_pages(path: Path) -> None:
     """Drop the file's cached pages, then read it back one 4 KiB page at a time in random order with no
     readahead: each page comes in its own folio, as an aged cache's refaulted holes do."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        offsets = list(range(0, os.fstat(fd).st_size, 4096))
-        random.Random(1).shuffle(offsets)
-        for offset in offsets:
-            os.pread(fd, 1, offset)
-    finally:
-        os.close(fd)
+    pagehistory.drop(path)
+    pagehistory.read_scattered(path)
+
+
+def resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of the file in the page cache, pages of the file), by mincore(2) over a mapping of it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    size = path.stat().st_size
+    count = -(-size // mmap.PAGESIZE)
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as mapping:
+        vector = ctypes.create_string_buffer(count)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        assert libc.mincore(address, size, vector) == 0, ctypes.get_errno()
+        return sum(byte & 1 for byte in vector.raw), count
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem `path` is on (/proc/self/mounts: the longest mount point above it)."""
+    found, length = "", -1
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        point, kind = line.split()[1], line.split()[2]
+        if (str(path).startswith(point.rstrip("/") + "/") or str(path) == point) and len(point) > length:
+            found, length = kind, len(point)
+    return found
 
 
 def run(steps) -> None:
@@ -135,3 +151,25 @@ def test_files_it_cannot_settle_are_passed_over(tmp_path: Path) -> None:
     assert pages.settle(small) is None
     assert pages.settle(tmp_path / "missing.safetensors") is None
     assert pages.settle_files([small, tmp_path / "missing.safetensors"]) == []
+
+
+def test_the_benchmarks_cache_histories_drop_the_file_and_read_it_back_in_order_or_in_small_pages(
+    weights: Path,
+) -> None:
+    """`bench-decode --cache-history`: aged leaves every chunk in small pages, fresh the file read in
+    order; both leave all of it cached, and say how many chunks were small."""
+    if filesystem(weights) == "tmpfs":
+        pytest.skip("tmpfs keeps its pages: no history can be made there")
+    pagehistory.drop(weights)
+    assert resident_pages(weights)[0] == 0
+    aged = pagehistory.prepare([weights], "aged")
+    assert aged == {"history": "aged", "chunks": CHUNKS, "small_chunks": CHUNKS}
+    cached, count = resident_pages(weights)
+    assert cached == count
+    fresh = pagehistory.prepare([weights], "fresh")
+    assert fresh["history"] == "fresh" and fresh["chunks"] == CHUNKS
+    assert fresh["small_chunks"] == len(pages.settle(weights).small)  # settle only looks at a cached file
+    cached, count = resident_pages(weights)
+    assert cached == count
+    with pytest.raises(ValueError, match="unknown cache history 'warm'"):
+        pagehistory.prepare([weights], "warm")

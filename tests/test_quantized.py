@@ -286,7 +286,7 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
     output = tmp_path / "decode.json"
     result = run_tool(
         "vlserve", "bench-decode", "--model", str(model), "--tokens", "3", "--rounds", "2", "--threads", "1",
-        "--output", str(output), timeout=300,
+        "--cache-history", "fresh", "aged", "--output", str(output), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(output.read_text())
@@ -307,6 +307,14 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
         low, high = figures["speedup_rounds_range"]
         assert low <= high and figures["speedup_vs_first_best"] <= figures["speedup"]
     assert levels["none"]["speedup_rounds_range"] == [1, 1]
+    for level, figures in levels.items():  # before each turn its level's weight files took that round's history
+        weights = figures["first_load"]["weight_files"]
+        assert str(model / "model.safetensors") in weights and all(name.endswith(".safetensors") for name in weights)
+        assert [r["history"] for r in figures["cache_history_rounds"]] == ["fresh", "aged"]
+        steps = figures["step_ms_rounds"]
+        assert figures["by_cache_history"]["aged"]["step_ms"] == steps[1]
+        assert figures["step_spread"] == pytest.approx(max(steps) / min(steps) - 1)
+        assert "%s, decode step by page-cache history: fresh %.1f ms" % (level, steps[0]) in result.stdout
     sizes = [levels[level]["decode_bytes_per_token"] for level in ("none", "int8", "int4")]
     assert sizes[0] > sizes[1] > sizes[2] > 0
     for figures in levels.values():  # four sequences decoded together (--batches' default), timed too

@@ -10,11 +10,17 @@ memory's read speed measured in the same process right after its steps: median a
 rounds), and the process's resident memory once settled. Before the first round, one
 untimed load per level makes its weight cache where it is missing, so no timed turn rounds weights
 (and holds the checkpoint's pages and the rounding's memory that a worker's usual start does not).
+
+`cache_history` (`--cache-history fresh aged`): before each turn, the weight files its level maps are
+put into that round's page-cache history (vlserve.bench.pagehistory, the histories taking turns
+round by round), and the report gives each history's steps and the spread over all rounds: whether a
+worker's decode speed depends on what the page cache did before it started.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -24,7 +30,9 @@ from typing import Any
 
 import torch
 
+from vlserve.bench import pagehistory
 from vlserve.bench.bandwidth import measure_read_bandwidth
+from vlserve.bench.servers import mapped_files
 from vlserve.model.loader import load_model
 from vlserve.runtime.kvcache import new_cache
 from vlserve.runtime.sampling import SamplingParams, next_tokens
@@ -43,6 +51,7 @@ class DecodeOptions:
     prompt_tokens: int = 256
     kernels: str = "auto"  # auto: vlserve's own kernel where it runs; stock: torch's only; both: each in turn
     batches: tuple[int, ...] = (4,)  # sequence counts decoded together, timed after the single stream
+    cache_history: tuple[str, ...] = ()  # each round's page-cache history of the weight files, in turn; () as found
 
     def turns(self) -> list[tuple[str, str, bool]]:
         """(label, level, own kernel allowed) for each turn of a round."""
@@ -137,7 +146,9 @@ def _first_load(options: DecodeOptions, level: str, own_kernel: bool) -> dict[st
     is missing (what the first start after a new release or checkpoint does, not a worker's usual start)."""
     started = time.perf_counter()
     loaded = _load_level(options, level, own_kernel)
-    return {"seconds": time.perf_counter() - started, "rounded_layers": loaded.rounded_layers}
+    seconds = time.perf_counter() - started
+    weights = sorted(str(path) for path in mapped_files(os.getpid()) if path.suffix == ".safetensors")
+    return {"seconds": seconds, "rounded_layers": loaded.rounded_layers, "weight_files": weights}
 
 
 def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict[str, Any]:
@@ -181,9 +192,14 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn, max_tasks_per_child=1) as pool:
         first_loads = {label: pool.submit(_first_load, options, level, own).result() for label, level, own in turns}
-        for _ in range(options.rounds):
+        for number in range(options.rounds):
             for label, level, own_kernel in turns:
-                runs[label].append(pool.submit(_measure_level, options, level, own_kernel).result())
+                prepared = None
+                if options.cache_history:
+                    history = options.cache_history[number % len(options.cache_history)]
+                    prepared = pagehistory.prepare(map(Path, first_loads[label]["weight_files"]), history)
+                run = pool.submit(_measure_level, options, level, own_kernel).result()
+                runs[label].append(run | {"cache_history": prepared})
     result: dict[str, Any] = {
         "tokens": options.tokens,
         "rounds": options.rounds,
@@ -213,6 +229,7 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
             **{name: max(values) if values else None for name, values in resident.items()},
             "kv_bytes_per_step": {str(count): value for count, value in measured[0]["kv_bytes_per_step"].items()},
             "of_bound": _of_bound(measured, options.batches),
+            **_by_history(measured),
             "batches": {
                 str(count): {
                     "step_ms": statistics.median(run["batch_step_s"][count] for run in measured) * 1e3,
@@ -240,6 +257,25 @@ def bench_decode(options: DecodeOptions) -> dict[str, Any]:
         figures["speedup_rounds_range"] = [min(pairs), max(pairs)]
         figures["speedup_vs_first_best"] = first["step_ms_range"][0] / figures["step_ms"]
     return result
+
+
+def _by_history(measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """With cache histories: each round's history (and the chunks it left in small pages before the
+    load), each history's steps, and the spread of all rounds' steps (slowest over fastest, minus 1)."""
+    if not any(run["cache_history"] for run in measured):
+        return {}
+    steps = [run["step_s"] * 1e3 for run in measured]
+    histories: dict[str, list[float]] = {}
+    for run, step in zip(measured, steps, strict=True):
+        histories.setdefault(run["cache_history"]["history"], []).append(step)
+    return {
+        "cache_history_rounds": [run["cache_history"] for run in measured],
+        "by_cache_history": {
+            name: {"step_ms": statistics.median(values), "step_ms_range": [min(values), max(values)]}
+            for name, values in histories.items()
+        },
+        "step_spread": max(steps) / min(steps) - 1,
+    }
 
 
 def readers_medians(turns: list[dict[str, float]]) -> dict[str, float]:
@@ -281,6 +317,25 @@ def _resident(figures: dict[str, Any]) -> str:
     return "%.1f GB" % (whole / 1e9) + ("" if anonymous is None else " (%.1f GB)" % (anonymous / 1e9))
 
 
+def _history_line(level: str, figures: dict[str, Any]) -> str:
+    """A level's steps per cache history, with the chunks each left in small pages before the loads."""
+    parts = []
+    for name, steps in figures["by_cache_history"].items():
+        rounds = [r for r in figures["cache_history_rounds"] if r["history"] == name]
+        low, high = min(r["small_chunks"] for r in rounds), max(r["small_chunks"] for r in rounds)
+        small = str(low) if low == high else "%d-%d" % (low, high)
+        parts.append(
+            "%s %.1f ms (%.1f-%.1f; %s of %d chunks in small pages before the load)"
+            % (name, steps["step_ms"], *steps["step_ms_range"], small, rounds[0]["chunks"])
+        )
+    return "%s, decode step by page-cache history: %s; spread over %d rounds %.0f%%" % (
+        level,
+        ", ".join(parts),
+        len(figures["cache_history_rounds"]),
+        100 * figures["step_spread"],
+    )
+
+
 def render(result: dict[str, Any]) -> str:
     counts = sorted({int(count) for figures in result["levels"].values() for count in figures.get("batches", {})})
     lines = [
@@ -320,6 +375,9 @@ def render(result: dict[str, Any]) -> str:
                 _resident(f),
             )
         )
+    for level, f in result["levels"].items():
+        if "by_cache_history" in f:
+            lines.append("\n" + _history_line(level, f))
     low, high = result["read_bandwidth_range"]
     readers = ", ".join("%s %.1f" % (name, speed / 1e9) for name, speed in result["read_bandwidth_readers"].items())
     lines.append(

@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 from vlserve import sizing
+from vlserve.bench.pagehistory import HISTORIES
 from vlserve.cli.common import (
     BadInput,
     add_policy_flags,
@@ -200,6 +201,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens,
             kernels=args.kernels,
             batches=tuple(args.batches),
+            cache_history=tuple(args.cache_history),
         )
     )
     write_json(args.output, result)
@@ -431,6 +433,15 @@ def _add_decode(commands) -> None:
         default="auto",
         help="int8 products through vlserve's own decode kernel where it runs (auto), torch's only (stock), "
         "or each quantized level both ways, in turn (both)",
+    )
+    decode.add_argument(
+        "--cache-history",
+        nargs="+",
+        choices=HISTORIES,
+        default=[],
+        help="before each turn, put its level's weight files into this page-cache history, the histories "
+        "taking turns round by round: fresh (dropped, read in order) or aged (dropped, other memory "
+        "written and freed, read back in scattered 4 KiB pages); default: the cache as it is",
     )
     decode.add_argument("--json", action="store_true", help="print JSON")
     decode.add_argument("--output", metavar="FILE", help="also write the result as JSON to FILE")
