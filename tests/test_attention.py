@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from vlserve.kernels import native, reference
 from vlserve.model import attention
 from vlserve.model.loader import load_model
+from vlserve.model.network import text_positions
 from vlserve.runtime.kvcache import new_cache
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -92,7 +93,8 @@ def test_a_loaded_model_decodes_through_it_as_it_would_through_sdpa(tiny_model, 
         lambda _: None,
     )
     config = loaded.model.config.text_config
-    assert config._attn_implementation == attention.NAME
+    layers = [layer.self_attn for layer in loaded.model.model.language_model.layers]
+    assert all(module.attend.func is attention.attention for module in layers)
     # Two left-padded sequences, then one decode step each way.
     ids = torch.tensor([[0, 0, 0, 11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
@@ -103,22 +105,27 @@ def test_a_loaded_model_decodes_through_it_as_it_would_through_sdpa(tiny_model, 
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
+    def plain_sdpa(module, query, key, value, mask, *, scaling=None, is_causal=None):
+        return attention.sdpa(module, query, key, value, mask, scaling=scaling, is_causal=is_causal), None
+
     monkeypatch.setattr(attention, "one_query_attention", counted)
     steps = {}
-    for implementation in (attention.NAME, "sdpa"):
-        config._attn_implementation = implementation
+    ours_attend = layers[0].attend
+    for implementation, attend in (("vlserve", ours_attend), ("sdpa", plain_sdpa)):
+        for module in layers:
+            monkeypatch.setattr(module, "attend", attend)
         cache = new_cache(config.num_hidden_layers)
         with torch.inference_mode():
-            loaded.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+            loaded.model(ids, mask, text_positions(2, 0, 8), cache, logits_to_keep=1)
             step = loaded.model(
-                input_ids=torch.tensor([[31], [32]]),
-                attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1),
-                cache=cache,
-                use_cache=True,
+                torch.tensor([[31], [32]]),
+                torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1),
+                text_positions(2, 8, 1),
+                cache,
                 logits_to_keep=1,
             )
         steps[implementation] = step.logits.float()
     assert len(calls) == config.num_hidden_layers  # the decode step of the first pass, every layer
-    ours, sdpa = steps[attention.NAME], steps["sdpa"]
+    ours, sdpa = steps["vlserve"], steps["sdpa"]
     assert torch.allclose(ours, sdpa, atol=0.05 * sdpa.abs().max().item())
     assert torch.equal(ours.argmax(-1), sdpa.argmax(-1))

@@ -1,8 +1,8 @@
 """The decoder layer op (kernels/decoder_layer.cpp, vlserve.model.decoderops): where the AVX-512 VNNI tier
-loads, a decode step's layers run as one call each, and what they compute is transformers' layer on
-vlserve's ops bit for bit (logits and the cache's keys and values) at every level, with the outlier
-channels a rounded weight keeps exact, for a batch with a left-padded row and across the cache's
-growth. What it does not take runs transformers' forward."""
+loads, a decode step's layers run as one call each, and what they compute is the network's own layer
+(model/network.py) on vlserve's ops bit for bit (logits and the cache's keys and values) at every
+level, with the outlier channels a rounded weight keeps exact, for a batch with a left-padded row and
+across the cache's growth. What it does not take runs the network's own forward."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from test_native import HAS_BF16, TIER, TIER_WHY
 from conftest import NATIVE_KERNELS, run_tool
 from vlserve.model import decoderops
 from vlserve.model.loader import load_model
+from vlserve.model.network import text_positions
 from vlserve.runtime.kvcache import CHUNK, new_cache
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -54,7 +55,6 @@ def _load(path: pathlib.Path, level: str, monkeypatch, dtype: str = "bfloat16"):
     settings = ModelSettings(model=path, quantize=level, dtype=dtype, native_kernels=NATIVE_KERNELS, warmup=False)
     loaded = load_model(settings, LimitSettings(max_batch_size=4), lambda _: None)
     loaded.settle()
-    loaded.model.model.rope_deltas = None  # positions from the masks below, whatever the calibration left
     return loaded
 
 
@@ -67,11 +67,11 @@ def _decode(model, rows: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, to
         mask[1, :5] = 0
     cache, logits = new_cache(model.config.text_config.num_hidden_layers), []
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-        for _ in range(STEPS):
+        out = model(ids, mask, text_positions(rows, 0, PROMPT), cache, logits_to_keep=1)
+        for step in range(STEPS):
             token = out.logits[:, -1:].float().argmax(-1)
             mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], 1)
-            out = model(input_ids=token, attention_mask=mask, cache=out.cache, use_cache=True, logits_to_keep=1)
+            out = model(token, mask, text_positions(rows, PROMPT + step, 1), out.cache, logits_to_keep=1)
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits), [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
@@ -87,7 +87,7 @@ def _decode(model, rows: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, to
         ("int4", "outliers"),
     ],
 )
-def test_a_decode_step_through_the_layer_op_is_transformers_layer_bit_for_bit(checkpoints, level, shape, monkeypatch):
+def test_a_decode_step_through_the_layer_op_is_the_networks_layer_bit_for_bit(checkpoints, level, shape, monkeypatch):
     loaded = _load(checkpoints[shape], level, monkeypatch)
     layers = list(loaded.model.model.language_model.layers)
     assert all(isinstance(layer, decoderops.NativeDecoderLayer) for layer in layers)
@@ -100,7 +100,7 @@ def test_a_decode_step_through_the_layer_op_is_transformers_layer_bit_for_bit(ch
     for rows in (1, 3):
         got, got_cache = _decode(loaded.model, rows)
         assert [counter.calls for counter in counters] == [STEPS] * len(layers)  # every step, every layer
-        monkeypatch.setattr(decoderops, "MAX_ROWS", 0)  # transformers' forward for every step
+        monkeypatch.setattr(decoderops, "MAX_ROWS", 0)  # the network's own forward for every step
         expected, expected_cache = _decode(loaded.model, rows)
         monkeypatch.undo()
         assert [counter.calls for counter in counters] == [STEPS] * len(layers)
@@ -113,9 +113,9 @@ def test_a_decode_step_through_the_layer_op_is_transformers_layer_bit_for_bit(ch
 
 
 @needs_avx512
-def test_what_the_layer_op_does_not_take_runs_transformers_forward(checkpoints, monkeypatch):
-    """A float32 model keeps transformers' layers (the op takes bfloat16 rows); more rows than MAX_ROWS
-    in one step go to transformers' forward too (they would reach the prompt copies)."""
+def test_what_the_layer_op_does_not_take_runs_the_networks_forward(checkpoints, monkeypatch):
+    """A float32 model keeps the network's own layers (the op takes bfloat16 rows); more rows than MAX_ROWS
+    in one step go to their forward too (they would reach the prompt copies)."""
     wide = _load(checkpoints["plain"], "int8", monkeypatch, dtype="float32")
     assert not any(isinstance(m, decoderops.NativeDecoderLayer) for m in wide.model.modules())
     loaded = _load(checkpoints["plain"], "int8", monkeypatch)

@@ -125,7 +125,16 @@ CONVERSATIONS = [
 ]
 
 
-def hf_generate(engine, prompt, tokens):
+@pytest.fixture(scope="module")
+def transformers_model(engine):
+    """transformers' own Qwen3-VL on the engine's checkpoint and dtype: the reference the service's
+    network (vlserve/model/network.py) answers as."""
+    from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(engine.model_settings.model, dtype=torch.float32).eval()
+
+
+def hf_generate(model, prompt, tokens):
     """transformers' own generate() on the same inputs: the reference."""
     inputs = {
         "input_ids": prompt.input_ids[None],
@@ -135,7 +144,7 @@ def hf_generate(engine, prompt, tokens):
     if prompt.pixel_values is not None:
         inputs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
     with torch.inference_mode():
-        out = engine.model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
     return out[0, prompt.tokens :].tolist()
 
 
@@ -149,9 +158,9 @@ def run(engine, conversation, tokens=24, **params):
 
 
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
-def test_greedy_output_is_what_transformers_generates(engine, index):
+def test_greedy_output_is_what_transformers_generates(engine, transformers_model, index):
     sequence, sink = run(engine, CONVERSATIONS[index])
-    reference = hf_generate(engine, sequence.prompt, 24)
+    reference = hf_generate(transformers_model, sequence.prompt, 24)
     assert sequence.generated == reference[: len(sequence.generated)]
     assert sink.usage.completion_tokens == len(sequence.generated)
     assert sink.usage.prompt_tokens == sequence.prompt.tokens

@@ -17,22 +17,21 @@ import textwrap
 
 import pytest
 import torch
-from transformers.models.qwen3_vl import modeling_qwen3_vl
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm, apply_rotary_pos_emb
 
 from conftest import NATIVE_KERNELS, VENV_BIN, run_tool
 from vlserve.kernels import checks, native, record, reference
 from vlserve.kernels.formats import INT4_GROUP, int4_blocks, int4_groups, q8_tiles, quantize_blocks
 from vlserve.kernels.quantized import Int4Weight, Int8Weight
 from vlserve.kernels.reference import q8_reference
-from vlserve.model import attention, decoderops, mapped
+from vlserve.model import attention, decoderops, mapped, network
 from vlserve.model.loader import load_model
 from vlserve.model.weightcache import WeightCache
 from vlserve.settings import LimitSettings, ModelSettings
 
 TIER, TIER_WHY = native.cpu_tier()  # the tier a worker here loads
 CPU_TIERS = native.cpu_tiers()  # every tier this CPU's instructions allow (ops can be asked for any)
-stock_rotary = decoderops.STOCK_ROTARY  # transformers' function, whatever a loaded worker replaced it with
+stock_rotary = apply_rotary_pos_emb  # transformers' own: the network's (decoderops.STOCK_ROTARY) is held to it too
 needs_tier = pytest.mark.skipif(TIER is None, reason="no kernel tier runs here: %s" % TIER_WHY)
 needs_avx512 = pytest.mark.skipif(TIER != "avx512_vnni", reason="the op needs the AVX-512 VNNI tier: %s" % TIER_WHY)
 HAS_BF16 = TIER == "avx512_vnni" and native.BF16_FLAG in (native._cpu_flags() or [])
@@ -288,12 +287,12 @@ def _greedy_decode(model, steps: int = 16) -> tuple[list[int], torch.Tensor]:
     cache = new_cache(model.config.text_config.num_hidden_layers)
     tokens, logits = [], []
     with torch.inference_mode():
-        out = model(input_ids=torch.arange(100, 130)[None], cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=torch.arange(100, 130)[None], cache=cache, logits_to_keep=1)
         for _ in range(steps):
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(int(token))
             logits.append(out.logits[0, -1].float())
-            out = model(input_ids=token, cache=out.cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=token, cache=out.cache, logits_to_keep=1)
     return tokens, torch.stack(logits)
 
 
@@ -687,6 +686,7 @@ def test_the_rotary_op_is_transformers_rotary_bit_for_bit(ops, batch, tokens, dt
         expected = stock_rotary(q, k, cos, sin)
         got = ops.rotary(q, k, cos, sin)
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(decoderops.STOCK_ROTARY(q, k, cos, sin), expected, strict=True))
 
 
 @needs_tier
@@ -709,20 +709,21 @@ def test_a_quantized_worker_runs_its_norms_and_rotary_through_the_ops(loaded, ti
     text = model.model.language_model
     native_norms = [module for module in model.modules() if isinstance(module, decoderops.NativeRMSNorm)]
     assert len(native_norms) == 4 * len(text.layers) + 1
-    assert not any(isinstance(module, Qwen3VLTextRMSNorm) for module in text.modules())
+    assert not any(isinstance(module, network.RMSNorm) for module in text.modules())
     assert not any(isinstance(module, decoderops.NativeRMSNorm) for module in model.model.visual.modules())
-    ids = torch.arange(40)[None]
+    assert all(layer.self_attn.rotary.func is decoderops.rotary_op for layer in text.layers)
+    ids, positions = torch.arange(40)[None], network.text_positions(1, 0, 40)
     with torch.inference_mode():
-        fused = model(input_ids=ids).logits[0, -1]
+        fused = model(ids, None, positions).logits[0, -1]
         for parent in list(text.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, decoderops.NativeRMSNorm):
-                    stock = Qwen3VLTextRMSNorm(child.weight.shape[0], child.variance_epsilon)
+                    stock = network.RMSNorm(child.weight.shape[0], child.variance_epsilon)
                     stock.weight = child.weight
                     setattr(parent, name, stock)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(modeling_qwen3_vl, "apply_rotary_pos_emb", stock_rotary)
-            reference = model(input_ids=ids).logits[0, -1]
+        for layer in text.layers:
+            layer.self_attn.rotary = network.apply_rotary
+        reference = model(ids, None, positions).logits[0, -1]
     assert float((fused - reference).norm() / reference.norm()) < 0.01
 
 

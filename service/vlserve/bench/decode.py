@@ -34,6 +34,7 @@ from vlserve.bench import pagehistory
 from vlserve.bench.bandwidth import measure_read_bandwidth
 from vlserve.bench.servers import mapped_files
 from vlserve.model.loader import load_model
+from vlserve.model.network import text_positions
 from vlserve.runtime.kvcache import new_cache
 from vlserve.runtime.sampling import SamplingParams, next_tokens
 from vlserve.settings import LimitSettings, ModelSettings
@@ -97,14 +98,15 @@ def _timings(model: Any, tokens: int, prompt_tokens: int, sequences: int = 1) ->
     ids = torch.arange(100, 100 + prompt_tokens)[None].repeat(sequences, 1)
     with torch.inference_mode():
         started = time.perf_counter()
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(ids, None, text_positions(sequences, 0, prompt_tokens), cache, logits_to_keep=1)
         prefill = time.perf_counter() - started
         greedy = [SamplingParams(max_tokens=tokens)] * sequences
         token = next_tokens(out.logits[:, -1, :], greedy)[:, None]
         times = []
-        for _ in range(tokens):
+        for step in range(tokens):
             started = time.perf_counter()
-            out = model(input_ids=token, cache=out.cache, use_cache=True, logits_to_keep=1)
+            positions = text_positions(sequences, prompt_tokens + step, 1)
+            out = model(token, None, positions, out.cache, logits_to_keep=1)
             token = next_tokens(out.logits[:, -1, :], greedy)[:, None]
             times.append(time.perf_counter() - started)
     return prefill, times

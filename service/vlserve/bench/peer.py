@@ -278,7 +278,7 @@ def image_tokens(model: Path, size: tuple[int, int] | None) -> int:
     llama-server gets too (both fit the picture in patches of 32 pixels under it)."""
     if size is None:
         return 0
-    from vlserve.model.processor import load_processor  # noqa: PLC0415 - transformers only here
+    from vlserve.model.processor import load_processor  # noqa: PLC0415 - torch only here
     from vlserve.runtime.images import load_image  # noqa: PLC0415
     from vlserve.settings import ModelSettings  # noqa: PLC0415
 

@@ -26,6 +26,8 @@ import torch
 from vlserve.bench.workload import QUESTIONS, synthetic_photo
 from vlserve.kernels import native
 from vlserve.model.loader import load_model
+from vlserve.model.network import prompt_pass, prompt_positions
+from vlserve.runtime.kvcache import new_cache
 from vlserve.settings import LimitSettings, ModelSettings
 from vlserve.sizing.contract import QUANTIZED_LEVELS
 
@@ -74,25 +76,20 @@ def _load(options: CheckOptions, quantize: str):
 def _answer_log_probs(model: Any, inputs: dict[str, torch.Tensor], answer: torch.Tensor | None, tokens: int):
     """(the answer's tokens, log-probabilities of the next token at each answer position): greedy when
     `answer` is None, else forced to `answer`, one decode step a token after the prompt's pass."""
-    forced = None
-    if answer is not None:
-        prompt = inputs["input_ids"].shape[1]
-
-        def forced(_batch: int, sequence: torch.Tensor) -> list[int]:
-            return [int(answer[sequence.shape[0] - prompt])]
-
+    prompt = inputs["input_ids"].shape[1]
+    _, delta = prompt_positions(model, inputs)
+    chosen, logits = [], []
     with torch.inference_mode():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            do_sample=False,
-            prefix_allowed_tokens_fn=forced,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    logits = torch.cat(out.logits).float()  # raw logits, one row per answer position
-    return out.sequences[0, inputs["input_ids"].shape[1] :], logits.log_softmax(-1)
+        out = prompt_pass(model, inputs, new_cache(model.config.text_config.num_hidden_layers), logits_to_keep=1)
+        for step in range(tokens):
+            row = out.logits[0, -1].float()  # the raw logits of this answer position
+            logits.append(row)
+            chosen.append(int(answer[step]) if answer is not None else int(row.argmax()))
+            if step + 1 < tokens:
+                position = prompt + step
+                positions = torch.tensor([position] + [position + delta] * 3).view(4, 1, 1)
+                out = model(torch.tensor([[chosen[-1]]]), None, positions, out.cache, logits_to_keep=1)
+    return torch.tensor(chosen), torch.stack(logits).log_softmax(-1)
 
 
 def ran_on(loaded) -> dict[str, str]:

@@ -29,6 +29,15 @@ def q8_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
     return out if bias is None else out + bias.double()
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3-VL's RMSNorm as transformers computes it (model/network.py runs this): the mean square
+    in float32, the scaled value rounded back to the input's dtype before the weight multiplies it."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 def one_query_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *, scaling: float | None
 ) -> torch.Tensor:

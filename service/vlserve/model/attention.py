@@ -15,7 +15,7 @@ A prompt or an image (many queries): on CPUs without AMX the flash kernel multip
 where the CPU runs bfloat16 products (AVX-512 BF16) kernels/prompt_attention.cpp does: a vision
 layer's 720 patches (16 heads of 64) took 4.2 ms against sdpa's 13.6 on a 2-vCPU Zen 5, a
 220-token prompt's layer 1.2 against 2.6. The language model and the vision tower both attend
-through here (model/patches.py); float32 towers keep `sdpa`.
+through here (model/decoderops.attend_with); float32 towers keep `sdpa`.
 
 Rounding as the flash kernel rounds: scores are float32 products (a bfloat16 product would round
 each score to 8 bits of mantissa; the keys are widened to float32, a chunk of the batch at a time so
@@ -26,12 +26,9 @@ second product, which accumulates in float32.
 from __future__ import annotations
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from vlserve.kernels import native
 from vlserve.kernels.reference import one_query_attention
-
-NAME = "vlserve"  # what the model's configs name as their attention implementation
 
 
 def attention(
@@ -42,14 +39,12 @@ def attention(
     attention_mask: torch.Tensor | None,
     *,
     kernels: native.Kernels = native.STOCK_KERNELS,
-    dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: query (B, H, Q, D), key/value (B, KV, T, D) -> (B, Q, H, D);
-    `kernels` bound at registration (model/patches.py)."""
-    if query.dtype != torch.float32 and not dropout and kwargs.get("position_bias") is None:
+    """query (B, H, Q, D), key/value (B, KV, T, D) -> (B, Q, H, D), as transformers' attention
+    interface takes them; `kernels` bound per model at load (model/decoderops.attend_with)."""
+    if query.dtype != torch.float32:
         contiguous = key.stride(-1) == value.stride(-1) == query.stride(-1) == 1
         if query.shape[2] == 1:
             op = kernels.one_query_attention()
@@ -63,9 +58,34 @@ def attention(
             mask, keys = _prompt_mask(module, query, attention_mask, is_causal)
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
             return op(query, key[:, :, :keys], value[:, :, :keys], mask, scale), None
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    return sdpa(module, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal), None
+
+
+def sdpa(module, query, key, value, mask, *, scaling: float | None, is_causal: bool | None) -> torch.Tensor:
+    """torch's scaled_dot_product_attention as transformers' `sdpa` attention calls it (5.24): grouped
+    key/value heads shared without a copy where no mask is given, a lone query's heads folded onto
+    its key/value heads where one is, causal only for a prompt without a mask (aligned to its first
+    key, so only as many keys as queries)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    queries = query.shape[2]
+    options = {}
+    if groups > 1:
+        if mask is None and key.shape[-1] == value.shape[-1] <= 256:
+            options["enable_gqa"] = True
+        elif queries == 1:
+            batch, heads, _, dim = query.shape
+            query = query.reshape(batch, heads // groups, groups, dim)
+            mask = mask if mask.shape[1] == 1 else mask.reshape(batch, heads // groups, groups, -1)
+        else:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+    causal = queries > 1 and mask is None and (is_causal if is_causal is not None else module.is_causal)
+    if causal and key.shape[2] > queries:
+        key, value = key[:, :, :queries], value[:, :, :queries]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, is_causal=causal, **options
     )
+    return out.reshape(out.shape[0], -1, queries, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 def _prompt_op_takes(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:

@@ -16,24 +16,23 @@ Where the AVX-512 VNNI tier loads, each decoder layer whose weights are in a for
 (kernels/decoder_layer.cpp: the same operations in C++, bit for bit); prompts, and layers it does not
 take, run transformers' forward.
 
-Used where the library serves the quantized levels (vlserve.kernels.native); elsewhere transformers' own
-modules run.
+Used where the library serves the quantized levels (vlserve.kernels.native); elsewhere the network's
+own modules (model/network.py) run as they are. Everything here is done to one model's own instances.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
-from transformers.models.qwen3_vl import modeling_qwen3_vl
 
 from vlserve.kernels import native
 from vlserve.kernels.quantized import INT8_PREFILL_ROWS, ExactChannels, Int4Weight, Int8Weight
-from vlserve.model import attention
+from vlserve.model import attention, network
 from vlserve.model.packing import PREFILL_ROWS, NativeBf16Weight, PackedLinear
 
-# transformers' own function, whatever model/patches.py later puts in its place
-STOCK_ROTARY = modeling_qwen3_vl.apply_rotary_pos_emb
+STOCK_ROTARY = network.apply_rotary
 # Rows a decode step's layer takes: PackedLinear.forward sends fewer than INT8_PREFILL_ROWS and
 # PREFILL_ROWS rows to the decode weights, and NativeBf16Weight up to native.MAX_ROWS to its own product.
 MAX_ROWS = min(INT8_PREFILL_ROWS - 1, PREFILL_ROWS - 1, native.MAX_ROWS)
@@ -41,8 +40,25 @@ BF16, Q8, INT4 = 0, 1, 2  # the product kinds, as kernels/decoder_layer.cpp numb
 EXACT_PARTS = ("columns", "column_weights", "rows", "row_weights", "row_bias")  # quantized.ExactChannels'
 
 
+def attend_with(model: torch.nn.Module, kernels: native.Kernels) -> None:
+    """The language model's and the vision tower's attention modules attend on `kernels`."""
+    for module in model.modules():
+        if isinstance(module, (network.TextAttention, network.VisionAttention)):
+            module.attend = functools.partial(attention.attention, kernels=kernels)
+
+
+def decode_with(model: torch.nn.Module, kernels: native.Kernels) -> None:
+    """The language model's norms and rotary embedding through vlserve's ops, where `kernels` have
+    them, and its decoder layers' decode steps through the layer op where it takes them."""
+    if use_for(model, kernels):
+        rotary = functools.partial(rotary_op, op=kernels.rotary())
+        for layer in model.model.language_model.layers:
+            layer.self_attn.rotary = rotary
+        use_decoder_layers(model, kernels)
+
+
 class NativeRMSNorm(torch.nn.Module):
-    """Qwen3VLTextRMSNorm in one call; holds the same weight parameter."""
+    """network.RMSNorm in one call; holds the same weight parameter."""
 
     def __init__(self, norm: torch.nn.Module, op):
         super().__init__()
@@ -57,10 +73,10 @@ class NativeRMSNorm(torch.nn.Module):
         return "%s, eps=%s, native" % (tuple(self.weight.shape), self.variance_epsilon)
 
 
-def rotary(q, k, cos, sin, unsqueeze_dim=1, *, op=None):
-    """apply_rotary_pos_emb's signature: (batch, heads, tokens, dim) queries and keys, (batch, tokens,
-    dim) tables, through `op` (native.Kernels.rotary, bound by model/patches.py); other layouts or
-    dtypes, or no op, go to transformers' function."""
+def rotary_op(q, k, cos, sin, unsqueeze_dim=1, *, op=None):
+    """network.apply_rotary's signature: (batch, heads, tokens, dim) queries and keys, (batch, tokens,
+    dim) tables, through `op` (native.Kernels.rotary, bound by `decode_with`); other layouts or
+    dtypes, or no op, go to the network's own function."""
     if op is None or unsqueeze_dim != 1 or q.dtype != cos.dtype or q.dtype not in (torch.bfloat16, torch.float32):
         return STOCK_ROTARY(q, k, cos, sin, unsqueeze_dim)
     return op(q, k, cos, sin)
@@ -69,7 +85,7 @@ def rotary(q, k, cos, sin, unsqueeze_dim=1, *, op=None):
 def use_for(model: torch.nn.Module, kernels: native.Kernels) -> int:
     """Swap the language model's RMSNorms for the native op where `kernels` have it; returns how many
     norms were swapped (0: no library, nothing changed; else the caller applies the rotary too,
-    model/patches.py)."""
+    `decode_with`)."""
     op = kernels.rms_norm()
     if op is None:
         return 0
@@ -78,20 +94,20 @@ def use_for(model: torch.nn.Module, kernels: native.Kernels) -> int:
         (parent, name, child)
         for parent in language_model.modules()
         for name, child in parent.named_children()
-        if type(child) is modeling_qwen3_vl.Qwen3VLTextRMSNorm
+        if type(child) is network.RMSNorm
     ]
     for parent, name, child in swaps:
         setattr(parent, name, NativeRMSNorm(child, op))
     return len(swaps)
 
 
-class NativeDecoderLayer(modeling_qwen3_vl.Qwen3VLTextDecoderLayer):
-    """A Qwen3VLTextDecoderLayer whose decode steps run as one call (`native`: kernels/decoder_layer.cpp),
+class NativeDecoderLayer(network.DecoderLayer):
+    """A network.DecoderLayer whose decode steps run as one call (`native`: kernels/decoder_layer.cpp),
     set by `use_decoder_layers` on the model's own layers (their modules and names stay as they were)."""
 
     native: Any = None
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, position_ids=None, cache=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None):
         rows, tokens, _ = hidden_states.shape
         if tokens == 1 and rows <= MAX_ROWS and hidden_states.dtype == torch.bfloat16 and cache is not None:
             reserve = getattr(cache.layers[self.self_attn.layer_idx], "reserve", None)  # kvcache.GrowingLayer's
@@ -99,7 +115,7 @@ class NativeDecoderLayer(modeling_qwen3_vl.Qwen3VLTextDecoderLayer):
             if room is not None:
                 cos, sin = position_embeddings
                 return self.native.decode(hidden_states, cos, sin, *room, attention_mask)
-        return super().forward(hidden_states, position_embeddings, attention_mask, position_ids, cache=cache, **kwargs)
+        return super().forward(hidden_states, position_embeddings, attention_mask, cache)
 
 
 def use_decoder_layers(model: torch.nn.Module, kernels: native.Kernels) -> int:
@@ -123,11 +139,9 @@ def _layer_op(layer: torch.nn.Module, product_class, make_layer) -> Any:
     """The layer op for one decoder layer, or None where its parts are not what the op computes."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-    if type(layer) is not modeling_qwen3_vl.Qwen3VLTextDecoderLayer or mlp.config.hidden_act != "silu":
+    if type(layer) is not network.DecoderLayer or mlp.config.hidden_act != "silu":
         return None
-    if attn.config._attn_implementation != attention.NAME or not all(
-        isinstance(norm, NativeRMSNorm) and norm.weight.dtype == torch.bfloat16 for norm in norms
-    ):
+    if not all(isinstance(norm, NativeRMSNorm) and norm.weight.dtype == torch.bfloat16 for norm in norms):
         return None
     if len({norm.variance_epsilon for norm in norms}) != 1:
         return None

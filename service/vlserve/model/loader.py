@@ -24,7 +24,8 @@ from vlserve.errors import ModelDirectoryError
 from vlserve.kernels import native
 from vlserve.kernels.native import Kernels
 from vlserve.kernels.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
-from vlserve.model import outliers, pages, patches
+from vlserve.model import decoderops, outliers, pages
+from vlserve.model.checkpoint import load_network
 from vlserve.model.packing import (
     convert_vision_tower,
     int8_prompt_copies_from,
@@ -33,6 +34,7 @@ from vlserve.model.packing import (
     packing_supported,
     pending_prefill_copies,
 )
+from vlserve.model.processor import load_processor
 from vlserve.model.weightcache import PreparedWeights, WeightCache
 from vlserve.settings import LimitSettings, ModelSettings
 
@@ -161,10 +163,6 @@ class _Taken:
 
 def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[str], None]) -> LoadedModel:
     """Load the processor and the model as `choose` decides; call it on the thread that will run the model."""
-    from transformers import Qwen3VLForConditionalGeneration  # noqa: PLC0415 - slow import, loaded once
-
-    from vlserve.model.processor import load_processor  # noqa: PLC0415
-
     path = Path(model.model)
     choices = choose(model, limits)
     torch.set_num_threads(choices.threads)
@@ -187,9 +185,8 @@ def load_model(model: ModelSettings, limits: LimitSettings, status: Callable[[st
     # Decode reads the files a level serves from at every step, fastest from 2 MiB folios: the checkpoint
     # at the exact level, else its weight cache. Settled before they are mapped (vlserve/model/pages.py).
     page_steps = pages.settle_files(sorted(path.glob("*.safetensors"))) if level == "none" else []
-    network = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=load_dtype)
-    network.eval()
-    patches.attend_through_vlserve(network, kernels)
+    network = load_network(path, load_dtype)
+    decoderops.attend_with(network, kernels)
     taken = _Taken(choices.vision_dtype, choices.prefill_dtype, kernels)
     _without_int8_products(taken, choices)
     # Quantized weights come from the weight cache where it has them (at any level, the vision tower's
@@ -287,7 +284,7 @@ def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prep
     )
     if choices.dtype != "bfloat16":
         network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
-    patches.decode_through_vlserve(network, taken.kernels)  # the norms and rotary in one call each, where loaded
+    decoderops.decode_with(network, taken.kernels)  # the norms and rotary in one call each, where loaded
     taken.prefill_dtype = copy or level
     _int8_prompt_copies(network, taken, prepared)
     log.info("quantized %d linear layers to %s (prompts in %s)", count, level, taken.prefill_dtype)
@@ -322,7 +319,7 @@ def _exact(network, taken: _Taken, *, choices: LoadChoices, prepared, channels, 
             kernels=taken.kernels,
         )
         if own:
-            patches.decode_through_vlserve(network, taken.kernels)
+            decoderops.decode_with(network, taken.kernels)
         _int8_prompt_copies(network, taken, prepared)
         how = "packed" if packed else "took (vlserve's bfloat16 product)" if own else "took"
         log.info("%s %d linear layers (prompts in %s)", how, count, taken.prefill_dtype)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from vlserve.kernels.quantized import ExactFormat
+from vlserve.model.network import prompt_pass
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def find(model: torch.nn.Module, processor: Any) -> dict[str, list[int]]:
             handles.append(module.register_forward_pre_hook(record(stream)))
     try:
         with torch.inference_mode():
-            model(**calibration_inputs(processor))
+            prompt_pass(model, calibration_inputs(processor))
     finally:
         for handle in handles:
             handle.remove()

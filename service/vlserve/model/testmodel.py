@@ -287,8 +287,6 @@ def make_test_model(
         Qwen2VLImageProcessorPil,
     )
 
-    from vlserve.model.processor import ImageOnlyQwen3VLProcessor  # noqa: PLC0415
-
     config, tokenizer = model_config(size)  # refuses an unknown size before anything is written
     outlier_channels(min(config.text_config.hidden_size, config.vision_config.hidden_size), outliers, seed)
     spec = SIZES[size]
@@ -327,8 +325,7 @@ def make_test_model(
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )
-    processor = ImageOnlyQwen3VLProcessor(image_processor, tokenizer, chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(directory)
+    _image_only_processor(image_processor, tokenizer, CHAT_TEMPLATE).save_pretrained(directory)
     # A real checkpoint names the stock processor; loading falls back when it cannot be built.
     for name in ("processor_config.json", "tokenizer_config.json", "preprocessor_config.json"):
         path = directory / name
@@ -352,3 +349,24 @@ def make_test_model(
         + "\n"
     )
     return directory
+
+
+def _image_only_processor(image_processor, tokenizer, chat_template):
+    """transformers' Qwen3VLProcessor without its video processor (which needs torchvision, whose PyPI
+    wheels are CUDA builds that do not import beside the CPU torch), to write the processor's files
+    as a real checkpoint has them."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor  # noqa: PLC0415
+    from transformers.processing_utils import ProcessorMixin  # noqa: PLC0415
+
+    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            # The parent's token attributes, set as the parent sets them, minus the video processor.
+            for name, default in (("image", "<|image_pad|>"), ("video", "<|video_pad|>")):
+                setattr(self, name + "_token", getattr(tokenizer, name + "_token", default))
+                setattr(self, name + "_token_id", tokenizer.convert_tokens_to_ids(getattr(self, name + "_token")))
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            for name, default in (("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>")):
+                setattr(self, name + "_token", getattr(tokenizer, name + "_token", default))
+                setattr(self, name + "_token_id", tokenizer.convert_tokens_to_ids(getattr(self, name + "_token")))
+
+    return ImageOnlyQwen3VLProcessor(image_processor, tokenizer, chat_template=chat_template)

@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
 
-from vlserve.runtime.kvcache import cache_bytes, new_cache
+from vlserve.runtime.kvcache import Cache, cache_bytes, new_cache
 
 
 @dataclass

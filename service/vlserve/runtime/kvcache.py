@@ -1,7 +1,7 @@
 """A key/value cache that grows in chunks, so a decode step writes one column instead of copying the cache.
 
-transformers' DynamicLayer appends with `torch.cat`: every decode step copies every layer's whole
-cache (28 layers x keys and values), a cost that grows with the context. Measured on the real-size
+A cache that appends with `torch.cat` (transformers' DynamicLayer does) copies every layer's whole
+cache at every decode step (28 layers x keys and values), a cost that grows with the context. Measured on the real-size
 Qwen3-VL-2B with a 217-token prompt: 17 ms of a 219 ms decode step. Here each layer keeps a buffer
 with room for `CHUNK` more tokens and hands the attention a view of its filled part; it reallocates
 (one copy) once per `CHUNK` tokens. The same idea as the preallocated caches of vLLM and llama.cpp,
@@ -14,25 +14,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from vlserve.sizing import KV_CHUNK_TOKENS as CHUNK  # the plan counts this headroom in each worker's memory
 
 
-class GrowingLayer(DynamicLayer):
+class GrowingLayer:
     """One decoder layer's keys and values, [batch, kv_heads, tokens, head_dim], in a buffer with headroom."""
 
     def __init__(self):
-        super().__init__()
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._length = 0
+        self.keys: torch.Tensor | None = None  # views of the buffers' filled part
+        self.values: torch.Tensor | None = None
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a forward pass's keys and values; all of them so far, for its attention."""
         start, new = self._length, key_states.shape[-2]
         end = start + new
         if self._key_buffer is None or end > self._key_buffer.shape[-2]:
@@ -76,19 +73,19 @@ class GrowingLayer(DynamicLayer):
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (self._key_buffer, self._value_buffer) if b is not None)
 
-    def reset(self) -> None:
-        self._key_buffer = self._value_buffer = None
-        self._length = 0
-        super().reset()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("vlserve never crops its cache")
+class Cache:
+    """Every decoder layer's keys and values: what the network's attention appends to (model/network.py)."""
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("vlserve never repeats rows of its cache")
+    def __init__(self, layers: list[GrowingLayer]):
+        self.layers = layers
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("vlserve selects rows by rebuilding the cache (batch.py)")
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer].update(keys, values)
+
+    def get_seq_length(self) -> int:
+        """Tokens cached so far (every layer holds as many)."""
+        return self.layers[0].get_seq_length() if self.layers else 0
 
 
 def new_cache(layers: int, data: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Cache:

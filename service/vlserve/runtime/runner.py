@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
+from vlserve.model.network import VisionFeatures
 from vlserve.runtime.batch import BatchState
 from vlserve.runtime.caches import LRUCache
 from vlserve.runtime.kvcache import new_cache
@@ -60,7 +60,6 @@ class ModelRunner:
             row_positions, deltas[row] = self._positions(seq.prompt)
             positions[:, row, length - new :] = row_positions[:, cached:]
         images = _images_in_order(group)
-        image_grid_thw = torch.stack([grid for _, _, grid in images]) if images else None
         encoder_outputs, encoded = self.vision_features(images) if images else (None, set())
         for seq in group:  # what each request's usage reports: images not encoded for it
             seq.images_from_cache = sum(1 for key in seq.prompt.image_keys if key not in encoded)
@@ -72,10 +71,7 @@ class ModelRunner:
             attention_mask=mask,
             position_ids=positions,
             cache=cache,
-            mm_encoder_outputs=encoder_outputs,
-            image_grid_thw=image_grid_thw,
-            mm_token_type_ids=token_types,
-            use_cache=True,
+            vision=encoder_outputs,
             logits_to_keep=1,
         )
         self.metrics.prefill_seconds.observe(time.monotonic() - started)
@@ -138,27 +134,22 @@ class ModelRunner:
         """One token for every row of the batch, which advances by it."""
         self.metrics.decode_batch.observe(batch.size)
         inputs = batch.step_inputs()
-        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+        out = self.model(**inputs, logits_to_keep=1)
         batch.cache = out.cache
         tokens = next_tokens(out.logits[:, -1, :], params)
         batch.advance(inputs["attention_mask"], tokens)
         return tokens
 
-    def vision_features(self, ordered: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple[dict[str, Any], set]:
+    def vision_features(self, ordered: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple[VisionFeatures, set]:
         """Per-image vision features in prompt order (`ordered`: the group's images after their stored
         prefixes), from the cache or one encoder call for the misses; and the keys it encoded."""
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import (  # noqa: PLC0415
-            BaseModelOutputWithDeepstackFeatures,
-        )
-
         features, misses = self._cached_features(ordered)
         if misses:
             features.update(self._encode(misses))
         embeds = tuple(features[key][0] for key, _, _ in ordered)
         layers = len(features[ordered[0][0]][1])
         deepstack = [tuple(features[key][1][layer] for key, _, _ in ordered) for layer in range(layers)]
-        outputs = BaseModelOutputWithDeepstackFeatures(pooler_output=embeds, deepstack_features=deepstack)
-        return {"image": outputs}, set(misses)
+        return VisionFeatures(pooler_output=embeds, deepstack_features=deepstack), set(misses)
 
     def _cached_features(self, ordered: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple[dict, dict]:
         features: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
