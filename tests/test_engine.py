@@ -390,7 +390,7 @@ def test_the_engine_makes_the_prefill_copies_after_it_is_ready(tmp_path, packed,
         assert len(copies) == layers and all(m.prefill_weight.dtype == torch.float32 for m in copies)
         # Nothing else is left for after ready: what no layer converted stays in the checkpoint's map.
         assert engine.background_steps_pending == 0
-        embedding = engine.model.get_input_embeddings().weight
+        embedding = engine.model.model.language_model.embed_tokens.weight
         assert any(low <= embedding.data_ptr() < high for low, high in mapped.checkpoint_ranges())
         sequence, sink = run(engine, CONVERSATIONS[0], tokens=6, ignore_eos=True)
         assert sequence.prompt.tokens >= PREFILL_ROWS  # this prompt's prefill ran on the copies

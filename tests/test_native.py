@@ -329,7 +329,7 @@ def test_an_exact_worker_decodes_through_the_bf16_kernel_as_the_packed_one_does(
     parts = [part for weight in weights.values() for part in weight.parts]
     assert ranges and all(any(low <= p.data_ptr() < high for low, high in ranges) for p in parts)
     # The tied output head is the input embedding itself, in the map for both.
-    embedding = own.model.get_input_embeddings().weight
+    embedding = own.model.model.language_model.embed_tokens.weight
     assert [p.data_ptr() for p in own.model.lm_head.stored.parts] == [embedding.data_ptr()]
     tokens, logits = _greedy_decode(own.model)
     assert tokens == expected

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from transformers import Qwen3VLForConditionalGeneration
 
 from conftest import NATIVE_KERNELS, run_tool
 from vlserve.kernels import native, quantized
@@ -21,6 +20,7 @@ from vlserve.kernels.quantized import (
     PromptInt8Linear,
 )
 from vlserve.kernels.reference import q8_reference
+from vlserve.model.checkpoint import load_network
 from vlserve.model.packing import PackedLinear, packing_supported, quantize_vision_tower
 
 
@@ -202,7 +202,7 @@ def tiny_bf16(tmp_path_factory):
 
 
 def test_the_vision_tower_in_int8_stays_close_to_float32(tiny_bf16, int8_backend):
-    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_bf16, dtype=torch.float32).eval()
+    model = load_network(tiny_bf16, torch.float32)
     grid = torch.tensor([[1, 8, 8]])
     config = model.config.vision_config
     pixels = torch.randn(64, config.in_channels * config.temporal_patch_size * config.patch_size**2)
