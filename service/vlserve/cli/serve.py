@@ -52,9 +52,10 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def _collecting_nothing() -> typing.Iterator[None]:
-    """No cyclic collections while the worker imports torch and transformers: their 630,000 objects
-    live as long as the process, and collections walking them again and again took 0.4-1.5 s of a
-    5-8 s start (docs/benchmark-history.md). Frozen after, later collections skip them."""
+    """No cyclic collections while the worker imports torch and its libraries: their objects (630,000
+    when it imported transformers too) live as long as the process, and collections walking them
+    again and again took 0.4-1.5 s of a 5-8 s start (docs/benchmark-history.md). Frozen after, later
+    collections skip them."""
     gc.disable()
     try:
         yield
