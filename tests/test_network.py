@@ -5,17 +5,21 @@ loads and answers without importing transformers at all."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 from conftest import VENV_BIN
+from vlserve.errors import ModelDirectoryError
 from vlserve.model import attention
-from vlserve.model.checkpoint import load_network
+from vlserve.model.checkpoint import load_network, mapped_tensors
 from vlserve.model.config import load_config, model_config
+from vlserve.model.loader import check_model_directory
 from vlserve.model.network import prompt_pass
 from vlserve.model.processor import load_processor
 from vlserve.runtime.kvcache import new_cache
@@ -145,3 +149,23 @@ def test_a_worker_loads_and_answers_without_importing_transformers(tiny_model):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_config_or_weights_the_network_cannot_take_fail_with_what_is_wrong(tiny_model, tmp_path):
+    """Before anything loads: a config.json the network cannot be built from; at load: a tensor the
+    files lack, named."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    data = json.loads((broken / "config.json").read_text())
+    data["text_config"]["rope_parameters"]["mrope_section"] = [4, 4, 4]
+    (broken / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ModelDirectoryError, match="mrope_section"):
+        check_model_directory(broken)
+    shutil.copytree(tiny_model, broken, dirs_exist_ok=True)  # the good config again
+    tensors = {name: tensor.clone() for name, tensor in mapped_tensors(broken / "model.safetensors").items()}
+    del tensors["model.language_model.norm.weight"]
+    (broken / "model.safetensors").unlink()  # a new file, not one rewritten under its own map
+    save_file(tensors, str(broken / "model.safetensors"))
+    check_model_directory(broken)
+    with pytest.raises(ModelDirectoryError, match=r"no tensor model\.language_model\.norm\.weight"):
+        load_network(broken, torch.bfloat16)

@@ -105,7 +105,7 @@ def test_a_broken_model_directory_stops_the_worker_with_its_reason(tiny_model, t
         "no config": "has no config.json",
         "not qwen3_vl": "not qwen3_vl",
         "no weights": "no *.safetensors",
-        "corrupt weights": "model load failed",
+        "corrupt weights": "unreadable safetensors header",
     }[damage]
     if damage == "no config":
         (broken / "config.json").unlink()

@@ -13,7 +13,6 @@ against the memory-bandwidth bound. Every figure is a median; the table gives tu
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -57,15 +56,10 @@ class CompareOptions:
 
 def processor_default_pixels(model: Path) -> tuple[int, int]:
     """The checkpoint's own (min, max) pixels: what a plain AutoProcessor would use."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        path = model / name
-        if path.is_file():
-            config = json.loads(path.read_text())
-            config = config.get("image_processor", config)
-            size = config.get("size") or {}
-            if "shortest_edge" in size and "longest_edge" in size:
-                return int(size["shortest_edge"]), int(size["longest_edge"])
-    return 56 * 56, 28 * 28 * 1280  # Qwen2-VL's processor defaults
+    from vlserve.model.processor import ImageProcessor  # noqa: PLC0415 - torch only here
+
+    size = ImageProcessor.from_directory(model).size
+    return int(size["shortest_edge"]), int(size["longest_edge"])
 
 
 def naive_settings(model: Path) -> dict[str, str]:

@@ -9,7 +9,6 @@ by hand takes the same memory-for-speed extras a deployed one would, and none th
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from vlserve.kernels.native import Kernels
 from vlserve.kernels.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
 from vlserve.model import decoderops, outliers, pages
 from vlserve.model.checkpoint import load_network
+from vlserve.model.config import model_config, read_json
 from vlserve.model.packing import (
     convert_vision_tower,
     int8_prompt_copies_from,
@@ -48,12 +48,10 @@ def check_model_directory(path: Path) -> None:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelDirectoryError("%s has no config.json: not a Hugging Face checkpoint" % path)
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as error:
-        raise ModelDirectoryError("%s is unreadable: %s" % (config_path, error)) from None
+    config = read_json(config_path)
     if config.get("model_type") != "qwen3_vl":
         raise ModelDirectoryError("%s is a %r model, not qwen3_vl" % (path, config.get("model_type")))
+    model_config(config)  # every value the network is built from, checked before anything loads
     if not any(path.glob("*.safetensors")):
         raise ModelDirectoryError("%s has no *.safetensors weights" % path)
 

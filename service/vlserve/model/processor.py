@@ -60,8 +60,8 @@ class Tokenizer:
     def convert_tokens_to_ids(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
