@@ -181,17 +181,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_blocks(const ui
 // Blocks streamed at once by M rows: four for one row (16 sums); two for more, though four rows' 32
 // sums then leave the registers (2-vCPU AMX Xeon, an up projection's blocks: one row 21-22 GB/s with
 // one stream, 26-27 with two or four; four rows 17 with one, 21-22 with two or four).
-// Not on AMD: on a 2-vCPU Zen 4 EPYC a thread reading one row's blocks one at a time, the hardware
-// prefetcher following a single stream, took 0.6-0.85x the time of four streams (a decode step's
-// 28 layers of int4 products, in 2 MiB pages, 3 interleaved rounds: 20.9-30.7 ms against 33.2-37.6;
-// eight streams 40.7-47.6). Four rows there were even within the noise, so they keep two.
+// Not on AMD, where a thread reads its blocks one at a time, the hardware prefetcher following a
+// single stream (2-vCPU Zen 4 EPYC, a decode step's 28 layers of int4 products in 2 MiB pages): one row
+// took 0.6-0.85x the time of four streams (3 interleaved rounds: 20.9-30.7 ms against 33.2-37.6;
+// eight streams 40.7-47.6); four rows 0.89x the time of two (0.76-0.94 over 16 passes, both builds
+// loaded in one process and taking turns), two rows 0.98x (0.84-1.13).
 constexpr int int4_streams(int m) { return m == 1 ? 4 : 2; }
 constexpr int kMaxInt4Streams = 4;
-
-bool amd_cpu() {
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-}
+using vlserve::lanes::amd_cpu;
 
 template <typename O>
 using Int4Fn = void (*)(const uint8_t* const*, int64_t, const int8_t*, const float*, const float*, int64_t, O* const*,
@@ -270,8 +267,8 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& blocks) {
     return out;
   }
   // Each thread splits its blocks into `streams` runs and streams the runs' i-th blocks together (on
-  // AMD one row's blocks go one at a time: int4_streams).
-  const bool one_stream = m == 1 && amd_cpu();
+  // AMD its blocks go one at a time: int4_streams).
+  const bool one_stream = amd_cpu();
   const int streams = int4_streams((int)m);
   const Int4Fn<T>* fns = kInt4Fns<T>[m - 1];
   at::parallel_for(0, blocks.size(0), 1, [&](int64_t b0, int64_t b1) {

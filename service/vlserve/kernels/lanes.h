@@ -7,6 +7,13 @@
 
 namespace vlserve::lanes {
 
+// Whether the CPU is AMD's: the decode products' streams per thread depend on it (a Zen 4 EPYC
+// reads quantized weights fastest with fewer streams than Intel's Xeons: decode_vnni.cpp, q8.cpp).
+inline bool amd_cpu() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
 // 16 inputs as float32, from float32 or bfloat16 (the model's dtypes): no converted copy of the rows.
 __attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 __attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const at::BFloat16* x) {
