@@ -374,13 +374,24 @@ void bf16_dispatch(bool prefetch, const at::BFloat16* w, int64_t k, int64_t n0, 
 // 2-vCPU AMX Xeon (2026-12-06, bench-decode at `none`, one sequence, interleaved pairs) 16 streams took
 // 153.0-159.7 ms a step and 8 took 139.2-148.8 (3 pairs, each 11-14 ms faster); 4 against 8, 127.3-133.7
 // against 131.4-137.1 ms (3 pairs: within the noise), so 8, as two rows take.
-constexpr int bf16_streams_for(int m) { return m == 1 ? 8 : 16 / m; }
+// Four for one row on AMD: on a 2-vCPU Zen 4 EPYC (a decode step's 28 layers of bfloat16 products in
+// 2 MiB pages, the builds loaded in one process and taking turns, 12-16 passes, five runs) one, two or
+// four streams took 0.79-0.83x the time of eight in three runs, 0.96x in one and 0.99x in one (those
+// two where the memory read 33-34 GB/s, the others 36-61); one stream at four rows took 1.19x.
+constexpr int bf16_streams_for(int m, bool amd) { return m == 1 ? (amd ? 4 : 8) : 16 / m; }
 constexpr int kMaxBf16Streams = 16;
 
 template <int M>
-void bf16_streams_dispatch(bool prefetch, const at::BFloat16* const* w, int64_t k, const at::BFloat16* x,
+void bf16_streams_dispatch(bool amd, bool prefetch, const at::BFloat16* const* w, int64_t k, const at::BFloat16* x,
                            const float* bias, const int64_t* n, at::BFloat16* out, int64_t ldo) {
-  constexpr int S = bf16_streams_for(M);
+  constexpr int S = bf16_streams_for(M, false), A = bf16_streams_for(M, true);
+  if constexpr (A != S) {
+    if (amd) {
+      if (prefetch) bf16_streams<M, A, true>(w, k, x, bias, n, out, ldo);
+      else bf16_streams<M, A, false>(w, k, x, bias, n, out, ldo);
+      return;
+    }
+  }
   if (prefetch) bf16_streams<M, S, true>(w, k, x, bias, n, out, ldo);
   else bf16_streams<M, S, false>(w, k, x, bias, n, out, ldo);
 }
@@ -417,7 +428,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   if (m <= kMaxRows) {
     // A decode step's rows: each thread splits its outputs into S runs and streams the runs' i-th
     // weight rows together; the rest as bf16_outputs does.
-    const int streams = bf16_streams_for((int)m);
+    const bool amd = amd_cpu();
+    const int streams = bf16_streams_for((int)m, amd);
     at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
       const int64_t first = t0 * kOutTile, last = std::min(n, t1 * kOutTile);
       const int64_t run = (last - first) / streams;
@@ -429,10 +441,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
           w_at[s] = pw + n_at[s] * k;
         }
         switch (m) {
-          case 1: bf16_streams_dispatch<1>(prefetch, w_at, k, px, pb, n_at, po, n); break;
-          case 2: bf16_streams_dispatch<2>(prefetch, w_at, k, px, pb, n_at, po, n); break;
-          case 3: bf16_streams_dispatch<3>(prefetch, w_at, k, px, pb, n_at, po, n); break;
-          default: bf16_streams_dispatch<4>(prefetch, w_at, k, px, pb, n_at, po, n); break;
+          case 1: bf16_streams_dispatch<1>(amd, prefetch, w_at, k, px, pb, n_at, po, n); break;
+          case 2: bf16_streams_dispatch<2>(amd, prefetch, w_at, k, px, pb, n_at, po, n); break;
+          case 3: bf16_streams_dispatch<3>(amd, prefetch, w_at, k, px, pb, n_at, po, n); break;
+          default: bf16_streams_dispatch<4>(amd, prefetch, w_at, k, px, pb, n_at, po, n); break;
         }
       }
       const int64_t r0 = first + streams * run;
