@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlserve.bench import pagehistory
 from vlserve.bench.loadgen import LoadSpec, MemoryWatch, run_load, single_requests
 from vlserve.bench.servers import (
     ServerProcess,
@@ -431,6 +432,14 @@ def bench_peer(options: PeerOptions) -> dict:
             served_files[level] |= mapped_files(server.process.pid)
             server.stop()
         first_starts[level] = round(time.perf_counter() - started, 1)
+    # The weight files of every side: each side starts with its own warm and the others dropped from
+    # the cache. Together they outgrow what a host of this size caches beside a running server, and the
+    # reclaim would leave the next side's files partly cached, not as a host that serves one model does.
+    checkpoint = {path for path in options.model.iterdir() if path.suffix == ".safetensors"}
+    own = {("vlserve", level): checkpoint | {path for path in paths if path.suffix == ".safetensors"}
+           for level, paths in served_files.items()}  # fmt: skip
+    own.update({("llama", PAIRS[pair]): {files[PAIRS[pair]], files["mmproj"]} for pair in options.pairs})
+    weights = set().union(*own.values())
     rounds: list[dict] = []
     for index in range(options.rounds):
         measured: dict = {}
@@ -442,10 +451,10 @@ def bench_peer(options: PeerOptions) -> dict:
                 sides.reverse()
             measured[pair] = {}
             for side, run in sides:
-                say(
-                    "round %d/%d: %s %s"
-                    % (index + 1, options.rounds, side, level if side == "vlserve" else PAIRS[pair])
-                )
+                name = level if side == "vlserve" else PAIRS[pair]
+                say("round %d/%d: %s %s" % (index + 1, options.rounds, side, name))
+                for path in sorted(weights - own[side, name]):
+                    pagehistory.drop(path)
                 measured[pair][side] = run()
         rounds.append(measured)
     return {

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from vlserve.bench import pagehistory
 from vlserve.bench.loadgen import MemoryWatch
 from vlserve.sizing.contract import ENV_PREFIX
 
@@ -177,9 +178,7 @@ def warm_page_cache(model: Path) -> None:
 def warm_files(paths: Iterable[Path]) -> None:
     """Read each file once into the page cache."""
     for path in paths:
-        with path.open("rb") as handle:
-            while handle.read(64 * 2**20):
-                pass
+        pagehistory.read_in_order(path)
 
 
 def mapped_files(pid: int) -> set[Path]:
