@@ -126,6 +126,40 @@ def test_a_prompts_int8_rows_are_the_bits_each_row_gets_alone(ops, tier, dtype):
             assert torch.equal(ops.q8_linear(x[:count], tiles, b, outputs, tier), alone[:count])
 
 
+def assert_torchs_rounding(got: torch.Tensor, wide: torch.Tensor) -> None:
+    """`got` holds the bits torch's conversion gives `wide` in bfloat16, NaN where it has NaN (torch
+    writes NaN as 0x7FC0 one value at a time and as 0xFFFF in vector lanes)."""
+    expected = wide.bfloat16()
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("tier", CPU_TIERS or ["none"])
+def test_bfloat16_results_are_torchs_rounding_of_the_float32_ones(ops, tier):
+    """The kernels round their float32 sums to bfloat16 as torch's conversion does, in vector lanes:
+    to nearest even, NaN kept NaN, and subnormal results kept (AVX-512 BF16's conversion flushes
+    them), for a decode step's rows and a prompt's, through the int8 and the int4 products."""
+    torch.manual_seed(17)
+    outputs, inputs = 9 * 64 + 5, 8 * 32
+    values, scales = quantize_blocks(torch.randn(outputs, inputs) * torch.rand(outputs, 1), torch.float16)
+    tiles, bias = q8_tiles(values, scales), torch.randn(outputs)
+    bias[[3, 70]] = float("nan")
+    bias[[5, 100]] = float("inf")
+    x = (torch.randn(37, inputs) * torch.logspace(-3, 3, 37)[:, None]).bfloat16()
+    x[4] = (torch.randn(inputs) * 1e-40).bfloat16()  # subnormal inputs and results
+    int4 = int4_blocks(*int4_groups(torch.randn(outputs - 5, inputs), INT4_GROUP)) if tier == "avx512_vnni" else None
+    for rows in (1, 3, 4, 9, 37):
+        for b in (None, bias):
+            wide = ops.q8_linear(x[:rows].float(), tiles, b, outputs, tier)
+            assert_torchs_rounding(ops.q8_linear(x[:rows], tiles, b, outputs, tier), wide)
+        if int4 is not None:
+            wide = ops.int4_linear(x[:rows].float(), int4)
+            assert_torchs_rounding(ops.int4_linear(x[:rows], int4), wide)
+    small = ops.q8_linear(x[4:5].float(), tiles, None, outputs, tier).abs()
+    assert 0 < small.max() < torch.finfo(torch.float32).tiny  # that row's results are subnormal
+
+
 def test_the_int8_product_refuses_what_it_cannot_multiply(ops):
     values, scales = quantize_blocks(torch.randn(40, 64), torch.float16)
     tiles = q8_tiles(values, scales)

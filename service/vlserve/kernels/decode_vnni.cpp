@@ -76,14 +76,7 @@ constexpr int64_t kParamBytes = kTileOutputs * 4;          // int4: one tile's (
 constexpr int64_t kBlockStep = kTiles * (kTileBytes + kParamBytes);  // int4: a block's bytes per group
 
 using vlserve::lanes::load16;
-
-// 16 results in the rows' dtype; bfloat16 rounds to nearest even as torch's conversion does.
-__attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, float* out) { _mm512_storeu_ps(out, v); }
-__attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, at::BFloat16* out) {
-  alignas(64) float wide[16];
-  _mm512_store_ps(wide, v);
-  for (int i = 0; i < 16; ++i) out[i] = at::BFloat16(wide[i]);
-}
+using vlserve::lanes::store16;
 
 // int4 ---------------------------------------------------------------------------------------------
 

@@ -20,4 +20,16 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const at::BFloa
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
 }
 
+// 16 results in the rows' dtype. bfloat16 rounds to nearest even, NaN made 0x7FC0, as
+// c10::BFloat16(float) does (the kernels' own scalar stores), in integer lanes: vcvtneps2bf16
+// (AVX-512 BF16) flushes subnormals to zero, which torch's conversion does not.
+__attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, float* out) { _mm512_storeu_ps(out, v); }
+__attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, at::BFloat16* out) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(rounded));
+}
+
 }  // namespace vlserve::lanes

@@ -86,6 +86,7 @@ struct RoundedRows {
 // ---- AVX-512 ------------------------------------------------------------------------------------
 
 using vlserve::lanes::load16;
+using vlserve::lanes::store16;
 
 template <typename T>
 __attribute__((target("avx512f,avx512bw"))) void round_row_avx512(const T* x, int64_t k, int8_t* q, float* scale,
@@ -529,6 +530,17 @@ RowsFn pass_fn(int tiles, int rows) {
     return tiles == T ? rows_fn<T>(rows) : pass_fn<T - 1>(tiles, rows);
 }
 
+// One row's results for a tile's `count` (up to 16) outputs, plus the bias if any, into `out`.
+template <typename T>
+__attribute__((target("avx512f,avx512bw"))) void store_tile(const float* acc, const float* bias, int64_t count, T* out) {
+  if (count == kTile) {
+    const __m512 y = _mm512_loadu_ps(acc);
+    store16(bias ? _mm512_add_ps(y, _mm512_loadu_ps(bias)) : y, out);
+    return;
+  }
+  for (int64_t n = 0; n < count; ++n) out[n] = T(bias ? acc[n] + bias[n] : acc[n]);
+}
+
 // Many rows on AVX-512 VNNI: threads take 64 outputs at a time, as below, and run every row over each
 // pair of their tiles in turn, kPromptRows at a time (rows outside, tiles inside: no faster).
 template <typename T>
@@ -546,10 +558,9 @@ void prompt_product(const RoundedRows& rows, int64_t m, int64_t k, const uint8_t
         pass_fn(tiles_here, rows_here)(w + t * tile_bytes, tile_bytes, groups, rows.q.data() + r0 * k, k,
                                        rows.scale.data() + r0 * groups, rows.shifted_sum.data() + r0 * groups, acc);
         for (int r = 0; r < rows_here; ++r)
-          for (int64_t n = n0; n < n1; ++n) {
-            const float y = acc[r * tiles_here * kTile + (n - n0)];
-            po[(r0 + r) * outputs + n] = T(bias ? y + bias[n] : y);
-          }
+          for (int64_t n = n0; n < n1; n += kTile)
+            store_tile(acc + r * tiles_here * kTile + (n - n0), bias ? bias + n : nullptr, std::min(kTile, n1 - n),
+                       po + (r0 + r) * outputs + n);
       }
     }
   });
