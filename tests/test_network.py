@@ -134,9 +134,10 @@ def test_the_hub_layout_of_config_json_reads_as_the_new_one(tiny_model):
     assert model_config(data) == load_config(tiny_model)
 
 
-def test_a_worker_loads_and_answers_without_importing_transformers_or_httpx(tiny_model):
+def test_a_worker_loads_and_answers_without_importing_transformers_httpx_or_dynamo(tiny_model):
     """transformers' model and processor classes cost a start 1.35 s, httpx 0.1 s (only image URLs
-    fetch with it): a worker's app and engine import neither."""
+    fetch with it), torch._dynamo 1.1 s (the first of torch's Python decompositions to run imports it:
+    an initialisation or a computed table on the meta device): a worker's app and engine import none."""
     script = (
         "import sys\n"
         "import vlserve.api.app\n"
@@ -144,7 +145,8 @@ def test_a_worker_loads_and_answers_without_importing_transformers_or_httpx(tiny
         "from vlserve.settings import LimitSettings, ModelSettings\n"
         "engine = Engine(ModelSettings(model=%r), LimitSettings(max_batch_size=2))\n"
         "engine.load(); engine.warmup()\n"
-        "print(sorted(name for name in sys.modules if name.split('.')[0] in ('transformers', 'httpx')))\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] in ('transformers', 'httpx')"
+        " or name == 'torch._dynamo'))\n"
         "engine.shutdown()\n" % str(tiny_model)
     )
     result = subprocess.run(

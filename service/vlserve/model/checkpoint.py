@@ -7,8 +7,9 @@ converts. A tensor in another dtype than the one asked for is converted (a copy)
 safetensors' own: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
 shape and byte range, then the data.
 
-The network is built on the meta device first (no memory, no random initialisation) and each
-parameter then takes its tensor by name; a parameter the files lack fails the load with its name.
+The network is built on the meta device first (no memory, no random initialisation; the tables its
+modules compute, on the CPU) and each parameter then takes its tensor by name; a parameter the
+files lack fails the load with its name.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from vlserve.errors import ModelDirectoryError
 from vlserve.model.config import load_config, load_generation_config
-from vlserve.model.network import Qwen3VLForConditionalGeneration, TextRotaryEmbedding, VisionRotaryEmbedding
+from vlserve.model.network import Qwen3VLForConditionalGeneration
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,6 @@ def load_network(directory: Path, dtype: torch.dtype) -> Qwen3VLForConditionalGe
     config = load_config(directory)
     with torch.device("meta"):
         network = Qwen3VLForConditionalGeneration(config, load_generation_config(directory, config))
-    # Their tables are computed, not stored: made again on the CPU.
-    network.model.visual.rotary_pos_emb = VisionRotaryEmbedding(config.vision_config)
-    network.model.language_model.rotary_emb = TextRotaryEmbedding(config.text_config)
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):
         tensors.update(mapped_tensors(path))

@@ -98,13 +98,28 @@ class VisionPatchEmbed(nn.Module):
         return self.proj(pixels.to(dtype=self.proj.weight.dtype)).view(-1, self.embed_dim)
 
 
+# The network is built on the meta device (vlserve/model/checkpoint.py). A few operations run there
+# through torch's Python decompositions, and the first one imports torch._dynamo: 1.1 s of a worker's
+# 3 s start (2-vCPU Zen 4). So nothing here initialises weights the checkpoint replaces, and the tables
+# a module computes are computed on the CPU, where they stay.
+
+
+def uninitialised_embedding(count: int, size: int, padding_idx: int | None = None) -> nn.Embedding:
+    """An embedding table left as allocated (nn.Embedding's own initialisation is a normal_)."""
+    return nn.Embedding(count, size, padding_idx, _weight=torch.empty(count, size))
+
+
+def rope_inverse_frequencies(theta: float, dim: int) -> torch.Tensor:
+    """Rotary embedding's 1 / theta^(2i / dim), float32, on the CPU whatever the default device."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+
+
 class VisionRotaryEmbedding(nn.Module):
     """Axial 2-D rope: the same frequencies for rows and columns, over the whole head."""
 
     def __init__(self, config: VisionConfig):
         super().__init__()
-        dim = config.hidden_size // config.num_heads // 2
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq = rope_inverse_frequencies(config.rope_theta, config.hidden_size // config.num_heads // 2)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +201,7 @@ class VisionModel(nn.Module):
         self.config = config
         self.spatial_merge_size = config.spatial_merge_size
         self.patch_embed = VisionPatchEmbed(config)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.pos_embed = uninitialised_embedding(config.num_position_embeddings, config.hidden_size)
         self.num_grid_per_side = int(config.num_position_embeddings**0.5)
         self.rotary_pos_emb = VisionRotaryEmbedding(config)
         self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
@@ -266,9 +281,7 @@ class TextRotaryEmbedding(nn.Module):
 
     def __init__(self, config: TextConfig):
         super().__init__()
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config.rope_theta, config.head_dim), persistent=False)
         self.mrope_section = list(config.mrope_section)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +382,7 @@ class TextModel(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = uninitialised_embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([DecoderLayer(config, index) for index in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = TextRotaryEmbedding(config)
