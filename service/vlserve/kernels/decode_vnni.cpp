@@ -27,10 +27,15 @@
 // 9 and 20 GB/s from one call to the next; streamed, several weight rows in flight per thread, they
 // hold the memory's read speed. The sums add in another order than oneDNN's, so a result may differ from its by a
 // rounding of bfloat16. Each thread prefetches the weight lines 1 KiB ahead of its streams from
-// `prefetch_rows` rows on: on a Zen 5 EPYC (2 threads, a decode step's products of the real-size
-// model, with and without in one process, interleaved) a prefetch cost one row 1.15x the time (87
-// against 75 ms; every distance and hint tried cost as much) and two rows 1.09x, was even at three
-// and saved four rows 7% (the int8 and int4 products: even at one row, 20-25% saved at four).
+// `prefetch_rows` rows on, into L1 on Intel and into L2 on AMD: on a Zen 5 EPYC (2 threads, a decode
+// step's products of the real-size model, with and without in one process, interleaved) a prefetch
+// cost one row 1.15x the time (87 against 75 ms; every distance and hint tried cost as much) and two
+// rows 1.09x, was even at three and saved four rows 7% (the int8 and int4 products: even at one row,
+// 20-25% saved at four). On a Zen 4 EPYC (the same products, the builds loaded in one process and
+// taking turns, 14-16 passes, median ratio of each pass) the L1 prefetch cost one row 1.20x, two
+// 1.25x and three 1.07x the time of none, where into L2 it cost one row 1.00x and saved two 13%,
+// three 8% and four 16% against L1: the L1 prefetches of four streams wait on the core's few L1
+// miss buffers, where L2 has more.
 //
 // rms_norm, rotary and one_query_attention: the decoder layer's small operations, each one call
 // instead of the 8 (norm), 12 (rotary on a query and a key) and ~13 (attention) that transformers'
@@ -309,7 +314,10 @@ namespace {
 // a time (one stream, in effect), 26-28 with four tiles apart, 28-30 with 16 rows apart, the memory
 // reading 28-33 (a later day: 8 apart faster than 16, below); two rows 25 with two tiles apart, 29-31 with 8 rows apart. The same sums in the same
 // order whatever rows come together, so a row's bits do not depend on the grouping.
-template <int M, int S, bool Prefetch>
+// Where bf16_streams prefetches the weights ahead: nowhere, into L1 or into L2.
+enum class Fetch { kNone, kL1, kL2 };
+
+template <int M, int S, Fetch F>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const at::BFloat16* const* w, int64_t k,
                                                                           const at::BFloat16* x, const float* bias,
                                                                           const int64_t* n, at::BFloat16* out,
@@ -323,7 +331,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const a
     for (int r = 0; r < M; ++r) xs[r] = (__m512bh)_mm512_loadu_si512(x + r * k + c * kBf16Chunk);
     for (int s = 0; s < S; ++s) {
       const at::BFloat16* p = w[s] + c * kBf16Chunk;
-      if (Prefetch) _mm_prefetch((const char*)p + 1024, _MM_HINT_T0);
+      if constexpr (F == Fetch::kL1) _mm_prefetch((const char*)p + 1024, _MM_HINT_T0);
+      if constexpr (F == Fetch::kL2) _mm_prefetch((const char*)p + 1024, _MM_HINT_T1);
       const __m512bh v = (__m512bh)_mm512_loadu_si512(p);
       for (int r = 0; r < M; ++r) acc[s][r] = _mm512_dpbf16_ps(acc[s][r], xs[r], v);
     }
@@ -336,7 +345,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const a
 }
 
 // Outputs n0..n1 of M bfloat16 rows: kOutTile adjacent weight rows at a time, then the rest one by one.
-template <int M, bool Prefetch>
+template <int M, Fetch F>
 void bf16_outputs(const at::BFloat16* w, int64_t k, int64_t n0, int64_t n1, const at::BFloat16* x, const float* bias,
                   at::BFloat16* out, int64_t ldo) {
   const at::BFloat16* w_at[kOutTile];
@@ -347,20 +356,23 @@ void bf16_outputs(const at::BFloat16* w, int64_t k, int64_t n0, int64_t n1, cons
       n_at[t] = n + t;
       w_at[t] = w + (n + t) * k;
     }
-    bf16_streams<M, kOutTile, Prefetch>(w_at, k, x, bias, n_at, out, ldo);
+    bf16_streams<M, kOutTile, F>(w_at, k, x, bias, n_at, out, ldo);
   }
   for (; n < n1; ++n) {
     n_at[0] = n;
     w_at[0] = w + n * k;
-    bf16_streams<M, 1, false>(w_at, k, x, bias, n_at, out, ldo);
+    bf16_streams<M, 1, Fetch::kNone>(w_at, k, x, bias, n_at, out, ldo);
   }
 }
 
 template <int M>
-void bf16_dispatch(bool prefetch, const at::BFloat16* w, int64_t k, int64_t n0, int64_t n1, const at::BFloat16* x,
+void bf16_dispatch(Fetch fetch, const at::BFloat16* w, int64_t k, int64_t n0, int64_t n1, const at::BFloat16* x,
                    const float* bias, at::BFloat16* out, int64_t ldo) {
-  if (prefetch) bf16_outputs<M, true>(w, k, n0, n1, x, bias, out, ldo);
-  else bf16_outputs<M, false>(w, k, n0, n1, x, bias, out, ldo);
+  switch (fetch) {
+    case Fetch::kL1: return bf16_outputs<M, Fetch::kL1>(w, k, n0, n1, x, bias, out, ldo);
+    case Fetch::kL2: return bf16_outputs<M, Fetch::kL2>(w, k, n0, n1, x, bias, out, ldo);
+    default: return bf16_outputs<M, Fetch::kNone>(w, k, n0, n1, x, bias, out, ldo);
+  }
 }
 
 // Weight rows streamed at once by M rows: as many as 16 sums allow, but eight for one row. On the
@@ -374,19 +386,24 @@ void bf16_dispatch(bool prefetch, const at::BFloat16* w, int64_t k, int64_t n0, 
 constexpr int bf16_streams_for(int m, bool amd) { return m == 1 ? (amd ? 4 : 8) : 16 / m; }
 constexpr int kMaxBf16Streams = 16;
 
+template <int M, int S>
+void bf16_fetch_dispatch(Fetch fetch, const at::BFloat16* const* w, int64_t k, const at::BFloat16* x,
+                         const float* bias, const int64_t* n, at::BFloat16* out, int64_t ldo) {
+  switch (fetch) {
+    case Fetch::kL1: return bf16_streams<M, S, Fetch::kL1>(w, k, x, bias, n, out, ldo);
+    case Fetch::kL2: return bf16_streams<M, S, Fetch::kL2>(w, k, x, bias, n, out, ldo);
+    default: return bf16_streams<M, S, Fetch::kNone>(w, k, x, bias, n, out, ldo);
+  }
+}
+
 template <int M>
-void bf16_streams_dispatch(bool amd, bool prefetch, const at::BFloat16* const* w, int64_t k, const at::BFloat16* x,
+void bf16_streams_dispatch(bool amd, Fetch fetch, const at::BFloat16* const* w, int64_t k, const at::BFloat16* x,
                            const float* bias, const int64_t* n, at::BFloat16* out, int64_t ldo) {
   constexpr int S = bf16_streams_for(M, false), A = bf16_streams_for(M, true);
   if constexpr (A != S) {
-    if (amd) {
-      if (prefetch) bf16_streams<M, A, true>(w, k, x, bias, n, out, ldo);
-      else bf16_streams<M, A, false>(w, k, x, bias, n, out, ldo);
-      return;
-    }
+    if (amd) return bf16_fetch_dispatch<M, A>(fetch, w, k, x, bias, n, out, ldo);
   }
-  if (prefetch) bf16_streams<M, S, true>(w, k, x, bias, n, out, ldo);
-  else bf16_streams<M, S, false>(w, k, x, bias, n, out, ldo);
+  bf16_fetch_dispatch<M, S>(fetch, w, k, x, bias, n, out, ldo);
 }
 
 }  // namespace
@@ -417,11 +434,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   // group streams the panel's weights from memory, the others find them in L2. Each row's sums are
   // the same whatever rows come with it.
   const int64_t panel = std::max<int64_t>(kOutTile, kBf16PanelBytes / (2 * k) / kOutTile * kOutTile);
-  const bool prefetch = std::min(m, kMaxRows) >= prefetch_rows;
+  const bool amd = amd_cpu();
+  const Fetch prefetch = std::min(m, kMaxRows) < prefetch_rows ? Fetch::kNone : amd ? Fetch::kL2 : Fetch::kL1;
   if (m <= kMaxRows) {
     // A decode step's rows: each thread splits its outputs into S runs and streams the runs' i-th
     // weight rows together; the rest as bf16_outputs does.
-    const bool amd = amd_cpu();
     const int streams = bf16_streams_for((int)m, amd);
     at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
       const int64_t first = t0 * kOutTile, last = std::min(n, t1 * kOutTile);
