@@ -35,7 +35,12 @@
 // taking turns, 14-16 passes, median ratio of each pass) the L1 prefetch cost one row 1.20x, two
 // 1.25x and three 1.07x the time of none, where into L2 it cost one row 1.00x and saved two 13%,
 // three 8% and four 16% against L1: the L1 prefetches of four streams wait on the core's few L1
-// miss buffers, where L2 has more.
+// miss buffers, where L2 has more. From three rows on, AMD prefetches into L2 4 KiB ahead and from
+// L2 into L1 512 bytes ahead: the products of four rows then hide more of their arithmetic (~30 ms of
+// vdpbf16ps in a step) behind the reads. Zen 4, the same way (12-16 passes, four runs over an hour):
+// four rows 0.84x, 0.86x, 0.92x and 0.93x the time of L2 alone (the smaller gains where the memory
+// read 28-30 GB/s, the larger at 33-41), three rows 0.94x and 0.99x, two rows 1.04x (so two keep L2
+// alone); 8 and 16 rows (the panels) 0.98x and 1.03x; an L1 prefetch alone at four rows 1.21x.
 //
 // rms_norm, rotary and one_query_attention: the decoder layer's small operations, each one call
 // instead of the 8 (norm), 12 (rotary on a query and a key) and ~13 (attention) that transformers'
@@ -314,8 +319,9 @@ namespace {
 // a time (one stream, in effect), 26-28 with four tiles apart, 28-30 with 16 rows apart, the memory
 // reading 28-33 (a later day: 8 apart faster than 16, below); two rows 25 with two tiles apart, 29-31 with 8 rows apart. The same sums in the same
 // order whatever rows come together, so a row's bits do not depend on the grouping.
-// Where bf16_streams prefetches the weights ahead: nowhere, into L1 or into L2.
-enum class Fetch { kNone, kL1, kL2 };
+// Where bf16_streams prefetches the weights ahead: nowhere, into L1, into L2, or both (into L2 4 KiB
+// ahead and from there into L1 512 bytes ahead).
+enum class Fetch { kNone, kL1, kL2, kL1L2 };
 
 template <int M, int S, Fetch F>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const at::BFloat16* const* w, int64_t k,
@@ -333,6 +339,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void bf16_streams(const a
       const at::BFloat16* p = w[s] + c * kBf16Chunk;
       if constexpr (F == Fetch::kL1) _mm_prefetch((const char*)p + 1024, _MM_HINT_T0);
       if constexpr (F == Fetch::kL2) _mm_prefetch((const char*)p + 1024, _MM_HINT_T1);
+      if constexpr (F == Fetch::kL1L2) {
+        _mm_prefetch((const char*)p + 4096, _MM_HINT_T1);
+        _mm_prefetch((const char*)p + 512, _MM_HINT_T0);
+      }
       const __m512bh v = (__m512bh)_mm512_loadu_si512(p);
       for (int r = 0; r < M; ++r) acc[s][r] = _mm512_dpbf16_ps(acc[s][r], xs[r], v);
     }
@@ -371,6 +381,7 @@ void bf16_dispatch(Fetch fetch, const at::BFloat16* w, int64_t k, int64_t n0, in
   switch (fetch) {
     case Fetch::kL1: return bf16_outputs<M, Fetch::kL1>(w, k, n0, n1, x, bias, out, ldo);
     case Fetch::kL2: return bf16_outputs<M, Fetch::kL2>(w, k, n0, n1, x, bias, out, ldo);
+    case Fetch::kL1L2: return bf16_outputs<M, Fetch::kL1L2>(w, k, n0, n1, x, bias, out, ldo);
     default: return bf16_outputs<M, Fetch::kNone>(w, k, n0, n1, x, bias, out, ldo);
   }
 }
@@ -392,6 +403,7 @@ void bf16_fetch_dispatch(Fetch fetch, const at::BFloat16* const* w, int64_t k, c
   switch (fetch) {
     case Fetch::kL1: return bf16_streams<M, S, Fetch::kL1>(w, k, x, bias, n, out, ldo);
     case Fetch::kL2: return bf16_streams<M, S, Fetch::kL2>(w, k, x, bias, n, out, ldo);
+    case Fetch::kL1L2: return bf16_streams<M, S, Fetch::kL1L2>(w, k, x, bias, n, out, ldo);
     default: return bf16_streams<M, S, Fetch::kNone>(w, k, x, bias, n, out, ldo);
   }
 }
@@ -435,7 +447,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   // the same whatever rows come with it.
   const int64_t panel = std::max<int64_t>(kOutTile, kBf16PanelBytes / (2 * k) / kOutTile * kOutTile);
   const bool amd = amd_cpu();
-  const Fetch prefetch = std::min(m, kMaxRows) < prefetch_rows ? Fetch::kNone : amd ? Fetch::kL2 : Fetch::kL1;
+  const int64_t pass_rows = std::min(m, kMaxRows);
+  const Fetch prefetch = pass_rows < prefetch_rows ? Fetch::kNone
+                         : !amd                    ? Fetch::kL1
+                         : pass_rows >= 3          ? Fetch::kL1L2
+                                                   : Fetch::kL2;
   if (m <= kMaxRows) {
     // A decode step's rows: each thread splits its outputs into S runs and streams the runs' i-th
     // weight rows together; the rest as bf16_outputs does.

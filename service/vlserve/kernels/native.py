@@ -113,10 +113,10 @@ def _cpu_flags() -> list[str] | None:
 
 
 def prefetch_rows(vendor: str | None) -> int:
-    """From how many rows on bf16_linear prefetches the weights ahead (into L2 on AMD, into L1 elsewhere:
-    the kernel asks the CPU): two on AMD, where a prefetch cost one row 1.15x the time on Zen 5 and
-    nothing on Zen 4, and saved two rows 13% on Zen 4 (the figures in kernels/decode_vnni.cpp); one
-    elsewhere, as measured on Intel's Xeons (one row at 95% of the memory's read speed with it)."""
+    """From how many rows on bf16_linear prefetches the weights ahead (into L2 on AMD, from three rows
+    on into L1 from there too; into L1 elsewhere: the kernel asks the CPU): two on AMD, where a
+    prefetch cost one row 1.15x the time on Zen 5 and nothing on Zen 4, and saved two rows 13% on Zen 4
+    (the figures in kernels/decode_vnni.cpp); one elsewhere, as measured on Intel's Xeons (one row at 95% of the memory's read speed with it)."""
     return 2 if vendor == "AuthenticAMD" else 1
 
 
