@@ -112,14 +112,6 @@ def _cpu_flags() -> list[str] | None:
     return None if field is None else field.split()
 
 
-def prefetch_rows(vendor: str | None) -> int:
-    """From how many rows on bf16_linear prefetches the weights ahead (into L2 on AMD, from three rows
-    on into L1 from there too; into L1 elsewhere: the kernel asks the CPU): two on AMD, where a
-    prefetch cost one row 1.15x the time on Zen 5 and nothing on Zen 4, and saved two rows 13% on Zen 4
-    (the figures in kernels/decode_vnni.cpp); one elsewhere, as measured on Intel's Xeons (one row at 95% of the memory's read speed with it)."""
-    return 2 if vendor == "AuthenticAMD" else 1
-
-
 def amx_allowed() -> bool:
     """Whether the CPU has AMX BF16 and ONEDNN_MAX_CPU_ISA, where set, allows it (AVX512_CORE_AMX and up,
     ALL, DEFAULT): the variable that holds torch's products below AMX holds vlserve's too, so one
@@ -293,7 +285,7 @@ class Kernels:
     ops: Any = None
     tier: str | None = None  # the ISA tier whose ops are loaded
     bf16: bool = False  # the CPU runs bf16_linear (AVX-512 BF16)
-    prefetch_rows: int = 1  # bf16_linear prefetches from this many rows on (prefetch_rows())
+    prefetch_rows: int = 1  # bf16_linear prefetches from this many rows on (the library's bf16_prefetch_rows)
     prompts: bool = False  # prompt_attention serves bfloat16 prompts and images (AVX-512 BF16, no AMX)
     amx: bool = False  # AMX's tiles multiply long int8 products (q8_amx)
     status: str = STOCK  # as /readyz and /status show it
@@ -440,5 +432,12 @@ def _load(root: Path | None, build_missing: bool = True) -> Kernels:
     )
     log.info("native kernels: %s", status)
     prompts = bf16 and AMX_FLAG not in (_cpu_flags() or [])
-    prefetch = prefetch_rows(cpuinfo_field("vendor_id"))
-    return Kernels(ops=ops, tier=tier, bf16=bf16, prefetch_rows=prefetch, prompts=prompts, amx=amx, status=status)
+    return Kernels(
+        ops=ops,
+        tier=tier,
+        bf16=bf16,
+        prefetch_rows=int(ops.bf16_prefetch_rows()),
+        prompts=prompts,
+        amx=amx,
+        status=status,
+    )
