@@ -54,6 +54,8 @@ constexpr int64_t kStep = kLines * 64 + kTile * 2;   // bytes per tile and block
 constexpr int64_t kRowsAvx2 = 4;                     // rows multiplied per pass over a tile on AVX2
 constexpr int64_t kTilesPerTask = 4;                 // tiles a thread takes at a time (64 outputs)
 constexpr int64_t kPrefetch = 4;                     // blocks ahead that each tile's stream is prefetched
+constexpr int64_t kPrefetchL2 = 8;                   // on AMD: blocks ahead prefetched into L2 (tiles_avx512's Far)
+constexpr int64_t kPrefetchL1 = 2;                   // and from there into L1
 constexpr int kPromptRows = 4;                       // rows_avx512's rows per pass (6 x 2 and 4 x 3: no faster)
 constexpr int kPromptTiles = 2;                      // and tiles per pass
 constexpr int64_t kPromptFrom = 8;                   // rows from which products take rows_avx512 (AVX-512)
@@ -118,7 +120,13 @@ __attribute__((target("avx512f,avx512bw"))) void round_row_avx512(const T* x, in
 // where a plain read takes 17, which is the read's time plus the in-cache multiply's, not the larger of
 // the two); four streams read 16 GB/s, within 5% of the plain read (docs/benchmarks.md has the runs).
 // Every tile's sums are the same whatever tiles come with it.
-template <int R, int S>
+// Far (AMD): each stream prefetched into L2 kPrefetchL2 blocks ahead and into L1 kPrefetchL1 ahead,
+// where Intel's Xeons take kPrefetch ahead into L1. A 2-vCPU Zen 4 core keeps too few lines in flight
+// through L1's miss buffers to hold the memory's speed (a plain read of 2 GiB on two threads: 4 KiB
+// ahead into L2 read 36-60 GB/s where 1 KiB into L1 read 34-52, the same minutes); a decode step's 28
+// layers of int8 products (the builds in one process, taking turns, 20-24 passes, median ratio of each
+// pass) took 0.91x and 0.94x the time at one row, 0.82x and 0.78x at four.
+template <int R, int S, bool Far>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const uint8_t* const* w, int64_t groups,
                                                                           const int8_t* q, int64_t k,
                                                                           const float* scale,
@@ -129,7 +137,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const u
   for (int64_t g = 0; g < groups; ++g) {
     for (int t = 0; t < S; ++t) {
       const uint8_t* p = w[t] + g * kStep;
-      for (int64_t line = 0; line < kStep; line += 64) _mm_prefetch((const char*)(p + kPrefetch * kStep + line), _MM_HINT_T0);
+      for (int64_t line = 0; line < kStep; line += 64) {
+        if constexpr (Far) {
+          _mm_prefetch((const char*)(p + kPrefetchL2 * kStep + line), _MM_HINT_T1);
+          _mm_prefetch((const char*)(p + kPrefetchL1 * kStep + line), _MM_HINT_T0);
+        } else {
+          _mm_prefetch((const char*)(p + kPrefetch * kStep + line), _MM_HINT_T0);
+        }
+      }
       __m512i v[kLines];
       for (int l = 0; l < kLines; ++l) v[l] = _mm512_loadu_si512(p + 64 * l);
       const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + kLines * 64)));
@@ -501,13 +516,13 @@ using Avx2Fn = void (*)(const uint8_t*, int64_t, const RoundedRows&, int64_t, in
 constexpr Avx2Fn kAvx2Fns[kRowsAvx2 + 1] = {nullptr, tile_rows_avx2<1>, tile_rows_avx2<2>, tile_rows_avx2<3>,
                                             tile_rows_avx2<4>};
 
-// AVX-512 VNNI, a decode step's R rows (fewer than kPromptFrom): one tile alone, or streams_for(R, amd)
-// together ([1] elsewhere, [2] on AMD).
+// AVX-512 VNNI, a decode step's R rows (fewer than kPromptFrom): one tile alone ([0]), or
+// streams_for(R, amd) together ([1]); elsewhere, then on AMD ([2] and [3], prefetching Far).
 using StreamsFn = void (*)(const uint8_t* const*, int64_t, const int8_t*, int64_t, const float*, const int32_t*,
                            float*);
 template <int R>
-constexpr StreamsFn kStreamFns[3] = {tiles_avx512<R, 1>, tiles_avx512<R, streams_for(R, false)>,
-                                     tiles_avx512<R, streams_for(R, true)>};
+constexpr StreamsFn kStreamFns[4] = {tiles_avx512<R, 1, false>, tiles_avx512<R, streams_for(R, false), false>,
+                                     tiles_avx512<R, 1, true>, tiles_avx512<R, streams_for(R, true), true>};
 constexpr const StreamsFn* kDecodeFns[kPromptFrom] = {nullptr,         kStreamFns<1>, kStreamFns<2>, kStreamFns<3>,
                                                       kStreamFns<4>,   kStreamFns<5>, kStreamFns<6>, kStreamFns<7>};
 
@@ -590,9 +605,9 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& tiles, const float* bi
   if (isa == Isa::kAvx512Vnni) {
     // Threads take 64 outputs at a time; each splits its tiles into S runs and streams the runs' i-th
     // tiles together, every row (fewer than kPromptFrom) in one pass.
-    const StreamsFn* fns = kDecodeFns[m];
     const bool amd = amd_cpu();
-    const StreamsFn together = fns[amd ? 2 : 1];
+    const StreamsFn* fns = kDecodeFns[m] + (amd ? 2 : 0);
+    const StreamsFn together = fns[1];
     const int streams = streams_for((int)m, amd);
     at::parallel_for(0, (tile_count + kTilesPerTask - 1) / kTilesPerTask, 1, [&](int64_t p0, int64_t p1) {
       float acc[kMaxStreams * kPromptFrom * kTile];
