@@ -153,7 +153,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void add_row(__m51
 // row re-masked it: real-size int4, 3 alternating runs). The S blocks are S streams of weights read at
 // once, as q8.cpp's decode product streams its tiles: one stream a thread leaves the memory idle while
 // the core unpacks and multiplies. Each block's sums are the same whatever blocks come with it.
-template <int M, int S, typename O>
+// Far (AMD): besides the prefetch into L1 two groups ahead, one into L2 four groups ahead for one row
+// and eight for more (2-vCPU Zen 4, a decode step's 28 layers of int4 products, the builds in one
+// process taking turns, 20-30 passes, median ratio of each pass: four ahead took one row 0.94x and
+// 0.92x the time of L1 alone, four rows 0.99x and 1.00x; eight ahead one row 0.99x and 0.98x, four
+// rows 0.94x twice); q8.cpp's tiles_avx512 says why.
+template <int M, int S, typename O, bool Far = false>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_blocks(const uint8_t* const* w, int64_t groups,
                                                                          const int8_t* q, const float* xs,
                                                                          const float* xsum, int64_t k, O* const* out,
@@ -167,8 +172,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_blocks(const ui
       const uint8_t* wg = w[b] + g * kBlockStep;
       // Every line of the group two ahead: two lines a group (the hardware prefetcher left the rest)
       // read 16-20 GB/s where this reads 18-24, about the int8 product's rate (interleaved runs).
-      for (int64_t line = 0; line < kBlockStep; line += 64)
+      for (int64_t line = 0; line < kBlockStep; line += 64) {
         _mm_prefetch((const char*)(wg + 2 * kBlockStep + line), _MM_HINT_T0);
+        if constexpr (Far) _mm_prefetch((const char*)(wg + (M == 1 ? 4 : 8) * kBlockStep + line), _MM_HINT_T1);
+      }
       for (int t = 0; t < kTiles; ++t) {
         const Int4Tile tile = unpack(wg + t * kTileBytes, wg + kTiles * kTileBytes + t * kParamBytes);
         for (int r = 0; r < M; ++r)
@@ -196,12 +203,14 @@ using vlserve::lanes::amd_cpu;
 template <typename O>
 using Int4Fn = void (*)(const uint8_t* const*, int64_t, const int8_t*, const float*, const float*, int64_t, O* const*,
                         int64_t);
-// [rows - 1][0]: one block alone; [rows - 1][1]: int4_streams(rows) blocks together.
+// [rows - 1][0]: one block alone; [rows - 1][1]: int4_streams(rows) blocks together; [rows - 1][2]:
+// one block alone, prefetched Far (AMD).
 template <typename O>
-constexpr Int4Fn<O> kInt4Fns[kMaxRows][2] = {{int4_blocks<1, 1, O>, int4_blocks<1, int4_streams(1), O>},
-                                             {int4_blocks<2, 1, O>, int4_blocks<2, int4_streams(2), O>},
-                                             {int4_blocks<3, 1, O>, int4_blocks<3, int4_streams(3), O>},
-                                             {int4_blocks<4, 1, O>, int4_blocks<4, int4_streams(4), O>}};
+constexpr Int4Fn<O> kInt4Fns[kMaxRows][3] = {
+    {int4_blocks<1, 1, O>, int4_blocks<1, int4_streams(1), O>, int4_blocks<1, 1, O, true>},
+    {int4_blocks<2, 1, O>, int4_blocks<2, int4_streams(2), O>, int4_blocks<2, 1, O, true>},
+    {int4_blocks<3, 1, O>, int4_blocks<3, int4_streams(3), O>, int4_blocks<3, 1, O, true>},
+    {int4_blocks<4, 1, O>, int4_blocks<4, int4_streams(4), O>, int4_blocks<4, 1, O, true>}};
 
 // R rows of a prompt times one block of 64 outputs, tile by tile over every group (the block stays in
 // L2 while the rows pass): more rows share each unpacked tile than a decode step's 4, as q8.cpp's
@@ -270,14 +279,15 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& blocks) {
     return out;
   }
   // Each thread splits its blocks into `streams` runs and streams the runs' i-th blocks together (on
-  // AMD its blocks go one at a time: int4_streams).
-  const bool one_stream = amd_cpu();
+  // AMD its blocks go one at a time, prefetched Far: int4_streams).
+  const bool amd = amd_cpu();
   const int streams = int4_streams((int)m);
   const Int4Fn<T>* fns = kInt4Fns<T>[m - 1];
+  const Int4Fn<T> alone = fns[amd ? 2 : 0];
   at::parallel_for(0, blocks.size(0), 1, [&](int64_t b0, int64_t b1) {
     const uint8_t* w_at[kMaxInt4Streams];
     T* out_at[kMaxInt4Streams];
-    const int64_t run = one_stream ? 0 : (b1 - b0) / streams;
+    const int64_t run = amd ? 0 : (b1 - b0) / streams;
     for (int64_t i = 0; i < run; ++i) {
       for (int s = 0; s < streams; ++s) {
         w_at[s] = pw + (b0 + s * run + i) * stride;
@@ -288,7 +298,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& blocks) {
     for (int64_t b = b0 + streams * run; b < b1; ++b) {  // the rest, one at a time
       w_at[0] = pw + b * stride;
       out_at[0] = po + b * kBlockOutputs;
-      fns[0](w_at, groups, q.data(), xs.data(), xsum.data(), k, out_at, n);
+      alone(w_at, groups, q.data(), xs.data(), xsum.data(), k, out_at, n);
     }
   });
   return out;
