@@ -7,8 +7,10 @@
 
 namespace vlserve::lanes {
 
-// Whether the CPU is AMD's: the decode products' streams per thread depend on it (a Zen 4 EPYC
-// reads quantized weights fastest with fewer streams than Intel's Xeons: decode_vnni.cpp, q8.cpp).
+// Whether the CPU is AMD's: the decode products' streams per thread and every read's prefetch depend
+// on it (a Zen 4 EPYC reads quantized weights fastest with fewer streams than Intel's Xeons, and
+// streams memory fastest with lines prefetched far ahead into L2: decode_vnni.cpp, q8.cpp,
+// stream_read.cpp).
 inline bool amd_cpu() {
   static const bool amd = __builtin_cpu_is("amd");
   return amd;
