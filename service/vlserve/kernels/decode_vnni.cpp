@@ -40,7 +40,8 @@
 // vdpbf16ps in a step) behind the reads. Zen 4, the same way (12-16 passes, four runs over an hour):
 // four rows 0.84x, 0.86x, 0.92x and 0.93x the time of L2 alone (the smaller gains where the memory
 // read 28-30 GB/s, the larger at 33-41), three rows 0.94x and 0.99x, two rows 1.04x (so two keep L2
-// alone); 8 and 16 rows (the panels) 0.98x and 1.03x; an L1 prefetch alone at four rows 1.21x.
+// alone); 8 and 16 rows (the panels) 0.98x and 1.03x; an L1 prefetch alone at four rows 1.21x. The
+// whole step of four sequences (bench-decode, the trees alternating, 6 pairs, mostly slow memory): 0.94x.
 //
 // rms_norm, rotary and one_query_attention: the decoder layer's small operations, each one call
 // instead of the 8 (norm), 12 (rotary on a query and a key) and ~13 (attention) that transformers'
@@ -157,7 +158,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void add_row(__m51
 // and eight for more (2-vCPU Zen 4, a decode step's 28 layers of int4 products, the builds in one
 // process taking turns, 20-30 passes, median ratio of each pass: four ahead took one row 0.94x and
 // 0.92x the time of L1 alone, four rows 0.99x and 1.00x; eight ahead one row 0.99x and 0.98x, four
-// rows 0.94x twice); q8.cpp's tiles_avx512 says why.
+// rows 0.94x twice; the build with both, one row 0.89x and 0.91x, four rows 0.89x and 0.90x; the
+// whole step in bench-decode, the trees alternating, 8 pairs: 0.93x and 0.92x); q8.cpp's
+// tiles_avx512 says why.
 template <int M, int S, typename O, bool Far = false>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_blocks(const uint8_t* const* w, int64_t groups,
                                                                          const int8_t* q, const float* xs,

@@ -125,7 +125,9 @@ __attribute__((target("avx512f,avx512bw"))) void round_row_avx512(const T* x, in
 // through L1's miss buffers to hold the memory's speed (a plain read of 2 GiB on two threads: 4 KiB
 // ahead into L2 read 36-60 GB/s where 1 KiB into L1 read 34-52, the same minutes); a decode step's 28
 // layers of int8 products (the builds in one process, taking turns, 20-24 passes, median ratio of each
-// pass) took 0.91x and 0.94x the time at one row, 0.82x and 0.78x at four.
+// pass, five runs) took 0.85-0.95x the time at one row and 0.78-0.98x at four, the smaller gains in
+// the VM's minutes of slow memory (~30 GB/s); the whole step (bench-decode, the trees alternating, 8
+// pairs, mostly slow memory) 0.96x at one sequence, 0.94x at four.
 template <int R, int S, bool Far>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tiles_avx512(const uint8_t* const* w, int64_t groups,
                                                                           const int8_t* q, int64_t k,
