@@ -20,7 +20,7 @@ from conftest import NATIVE_KERNELS, REPO, Server, load_topology, run_tool
 from vlserve import sizing
 from vlserve.bench.autotune import AutotuneOptions, candidates, plan_key
 from vlserve.bench.bandwidth import decode_bytes_per_token, measure_read_bandwidth
-from vlserve.bench.decode import readers_medians
+from vlserve.bench.decode import readers_medians, step_shares
 from vlserve.bench.footprint import budget_of, misses
 from vlserve.bench.loadgen import chat_url, percentile
 from vlserve.bench.workload import Workload, parse_size, synthetic_photo
@@ -142,6 +142,17 @@ def test_each_reader_s_median_counts_only_the_turns_that_read_with_it():
     turns = [{"torch.dot": 30.0, "vlserve": 33.0}, {"torch.dot": 31.0}, {"torch.dot": 29.0, "vlserve": 35.0}]
     assert readers_medians(turns) == {"torch.dot": 30.0, "vlserve": 34.0}
     assert readers_medians([{"torch.dot": 30.0}]) == {"torch.dot": 30.0}
+
+
+def test_each_step_is_held_against_the_memory_speed_just_before_and_after_it():
+    """bench-decode reads between its steps: a step in a slow moment is held against that moment's speed,
+    the faster reader's on each side, not against the turn's median."""
+    passes = [{"torch.dot": 30e9, "vlserve": 40e9}, {"torch.dot": 20e9}, {"torch.dot": 10e9, "vlserve": 60e9}]
+    # 1 GB at 30 GB/s (40 and 20 around it) takes 1/30 s: a step that long is at its bound
+    shares = step_shares(1e9, [1 / 30, 2 / 40], passes)
+    assert shares == pytest.approx([1.0, 1e9 / 40e9 / (2 / 40)])
+    with pytest.raises(IndexError):  # a step needs a pass on each side
+        step_shares(1e9, [0.1, 0.1, 0.1], passes)
 
 
 def fresh_torch_threads() -> int:

@@ -298,7 +298,7 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
     assert "torch.dot" in data["read_bandwidth_readers"]  # the bound is the fastest reader's, turn by turn
     for figures in levels.values():
         assert figures["rounded_layers_in_rounds"] == 0 and figures["first_load"]["seconds"] > 0
-        for count in ("1", "4"):  # each round's step against its own turn's read speed
+        for count in ("1", "4"):  # each round's steps against the read speeds on both sides of each
             share = figures["of_bound"][count]
             assert 0 < share["range"][0] <= share["median"] <= share["range"][1]
         assert figures["tokens_per_s"] > 0 and figures["step_ms_range"][0] <= figures["step_ms"]
@@ -323,5 +323,5 @@ def test_bench_decode_measures_every_level_and_counts_fewer_bytes_per_token_as_i
         # Their attention reads four sequences' keys and values: four times one's.
         assert figures["kv_bytes_per_step"]["4"] == 4 * figures["kv_bytes_per_step"]["1"] > 0
     assert "4 sequences: step (of its bound)" in result.stdout
-    assert "memory read speed, measured in each turn after its steps" in result.stdout
+    assert "memory read speed, measured between each turn's steps" in result.stdout
     assert "| int4 |" in result.stdout or "| int4 | " in result.stdout

@@ -7,10 +7,12 @@ the input embedding only one row), so tokens/s <= read bandwidth / bytes of thos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,53 +38,81 @@ def last_level_cache_bytes() -> int:
     return largest
 
 
-def measure_read_bandwidth(
-    threads: int, size_bytes: int | None = None, repeats: int = 7, kernels: Kernels | None = None
-) -> dict:
-    """Median bytes/s of a streaming read with `threads`: the faster of torch's (a float32 dot product of
-    the buffer with itself) and, where `kernels` has it, vlserve's own (kernels/stream_read.cpp, every
-    line prefetched ahead), taking turns on one buffer. torch's read is not the memory's limit: on the
-    AMX Xeon VM the prefetched read went about 5% faster (kernels/stream_read.cpp has the figures).
+class MemoryReader:
+    """A buffer in 2 MiB pages and the readers that time a pass over it: torch's (a float32 dot product
+    of the buffer with itself) and, where `kernels` has it, vlserve's own (kernels/stream_read.cpp, every
+    line prefetched ahead). torch's read is not the memory's limit: on the AMX Xeon VM the prefetched
+    read went about 5% faster (kernels/stream_read.cpp has the figures).
 
     The buffer is at least 1 GiB and at least 4 times the last-level cache, so the reads come from memory,
     and it sits in 2 MiB pages where the kernel gives them, as the weights do (vlserve/model/pages.py):
     the same read from scattered 4 KiB pages went at 26 GB/s against 34 on the AMX Xeon VM. A bound
     from either slower read would make every decode step look nearer its bound than it was.
-    """
-    import torch  # noqa: PLC0415 - torch's threaded BLAS gives a vectorised multi-threaded read
+    A context manager: the buffer is mapped and faulted in on entry, and unmapped on exit."""
 
-    from vlserve.model import pages  # noqa: PLC0415 - with torch
+    def __init__(self, threads: int, size_bytes: int | None = None, kernels: Kernels | None = None) -> None:
+        self.threads = threads
+        self.cache = last_level_cache_bytes()
+        self.size = size_bytes or max(2**30, 4 * self.cache)
+        self.kernels = kernels
+        self.huge_page_bytes = 0
 
-    cache = last_level_cache_bytes()
-    size = size_bytes or max(2**30, 4 * cache)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    mapping, offset, address = pages.anonymous_huge(size)
-    buffer = torch.frombuffer(mapping, dtype=torch.float32, offset=offset, count=size // 4)
-    readers = {"torch.dot": lambda floats: torch.dot(floats, floats)}
-    own = kernels.stream_read() if kernels is not None else None
-    if own is not None:
-        readers["vlserve"] = lambda floats: own(floats.view(torch.uint8))
-    try:
-        buffer.fill_(1.0)  # fault the pages in
-        huge = pages.smaps_field([address], "AnonHugePages").get(address, 0)
-        times: dict[str, list[float]] = {name: [] for name in readers}
-        for _ in range(repeats):
-            for name, read in readers.items():
+    def __enter__(self) -> MemoryReader:
+        import torch  # noqa: PLC0415 - torch's threaded BLAS gives a vectorised multi-threaded read
+
+        from vlserve.model import pages  # noqa: PLC0415 - with torch
+
+        self._mapping, offset, address = pages.anonymous_huge(self.size)
+        self._buffer = torch.frombuffer(self._mapping, dtype=torch.float32, offset=offset, count=self.size // 4)
+        self._readers = {"torch.dot": lambda floats: torch.dot(floats, floats)}
+        own = self.kernels.stream_read() if self.kernels is not None else None
+        if own is not None:
+            self._readers["vlserve"] = lambda floats: own(floats.view(torch.uint8))
+        with self._threads():
+            self._buffer.fill_(1.0)  # fault the pages in
+        self.huge_page_bytes = pages.smaps_field([address], "AnonHugePages").get(address, 0)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        del self._buffer, self._readers  # the mapping closes only once no tensor views it
+        self._mapping.close()
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        import torch  # noqa: PLC0415
+
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+    def speeds(self) -> dict[str, float]:
+        """One pass of each reader over the buffer, in turn: bytes/s by reader name."""
+        found = {}
+        with self._threads():
+            for name, read in self._readers.items():
                 started = time.perf_counter()
-                read(buffer)
-                times[name].append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(previous)
-        del buffer  # the mapping closes only once no tensor views it
-        mapping.close()
-    speeds = {name: size / statistics.median(taken) for name, taken in times.items()}
+                read(self._buffer)
+                found[name] = self.size / (time.perf_counter() - started)
+        return found
+
+
+def measure_read_bandwidth(
+    threads: int, size_bytes: int | None = None, repeats: int = 7, kernels: Kernels | None = None
+) -> dict:
+    """The memory's read speed with `threads`: each reader's median over `repeats` passes (the readers
+    taking turns on one buffer, MemoryReader), and the faster of them."""
+    with MemoryReader(threads, size_bytes, kernels) as reader:
+        passes = [reader.speeds() for _ in range(repeats)]
+    speeds = {name: statistics.median(speeds[name] for speeds in passes) for name in passes[0]}
     fastest = max(speeds, key=speeds.__getitem__)
     return {
         "threads": threads,
-        "buffer_bytes": size,
-        "buffer_huge_page_bytes": huge,  # of it, in 2 MiB pages
-        "last_level_cache_bytes": cache,
+        "buffer_bytes": reader.size,
+        "buffer_huge_page_bytes": reader.huge_page_bytes,  # of it, in 2 MiB pages
+        "last_level_cache_bytes": reader.cache,
         "bytes_per_s": speeds[fastest],
         "reader": fastest,
         "readers_bytes_per_s": speeds,

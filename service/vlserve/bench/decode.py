@@ -6,7 +6,8 @@ work (as a settled worker runs), prefills a fixed prompt once and times `tokens`
 one through the model's KV cache, for one sequence and for each of `batches` sequences decoded
 together. Beside each level's tokens/s: its bytes read per step (`decode_weight_bytes`, plus the
 keys and values the step's attention reads), the fraction of its own bound it reaches (against the
-memory's read speed measured in the same process right after its steps: median and range over the
+memory's read speed measured between its steps: each step against a read just before and one just
+after it, as this project's VMs change their memory's speed within seconds; median and range over the
 rounds), and the process's resident memory once settled. Before the first round, one
 untimed load per level makes its weight cache where it is missing, so no timed turn rounds weights
 (and holds the checkpoint's pages and the rounding's memory that a worker's usual start does not).
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from vlserve.bench import pagehistory
-from vlserve.bench.bandwidth import measure_read_bandwidth
+from vlserve.bench.bandwidth import MemoryReader
 from vlserve.bench.servers import mapped_files
 from vlserve.model.loader import load_model
 from vlserve.model.network import text_positions
@@ -90,12 +91,17 @@ def kv_bytes_read(config: Any, sequences: int, prompt_tokens: int, tokens: int) 
     return sequences * (prompt_tokens + tokens // 2) * per_token
 
 
-def _timings(model: Any, tokens: int, prompt_tokens: int, sequences: int = 1) -> tuple[float, list[float]]:
-    """(prefill seconds of a `prompt_tokens` text prompt, decode step seconds) for `sequences` such
-    prompts decoded together, as the engine runs them: its growing KV cache, logits of the last position
-    only, its greedy choice of the next tokens."""
+def _timings(
+    model: Any, tokens: int, prompt_tokens: int, sequences: int = 1, reader: MemoryReader | None = None
+) -> tuple[float, list[float], list[dict[str, float]]]:
+    """(prefill seconds of a `prompt_tokens` text prompt, decode step seconds, read passes) for `sequences`
+    such prompts decoded together, as the engine runs them: its growing KV cache, logits of the last
+    position only, its greedy choice of the next tokens. With `reader`, untimed: a pass of its readers
+    before the first step and after each one (their speeds by reader), so each step has the memory's
+    speed of its own moment on both sides."""
     cache = new_cache(model.config.text_config.num_hidden_layers)
     ids = torch.arange(100, 100 + prompt_tokens)[None].repeat(sequences, 1)
+    passes = []
     with torch.inference_mode():
         started = time.perf_counter()
         out = model(ids, None, text_positions(sequences, 0, prompt_tokens), cache, logits_to_keep=1)
@@ -103,13 +109,24 @@ def _timings(model: Any, tokens: int, prompt_tokens: int, sequences: int = 1) ->
         greedy = [SamplingParams(max_tokens=tokens)] * sequences
         token = next_tokens(out.logits[:, -1, :], greedy)[:, None]
         times = []
+        if reader is not None:
+            passes.append(reader.speeds())
         for step in range(tokens):
             started = time.perf_counter()
             positions = text_positions(sequences, prompt_tokens + step, 1)
             out = model(token, None, positions, out.cache, logits_to_keep=1)
             token = next_tokens(out.logits[:, -1, :], greedy)[:, None]
             times.append(time.perf_counter() - started)
-    return prefill, times
+            if reader is not None:
+                passes.append(reader.speeds())
+    return prefill, times, passes
+
+
+def step_shares(read_bytes: float, steps: list[float], passes: list[dict[str, float]]) -> list[float]:
+    """Each step's fraction of its bound (`of_bound`) against the memory's speed around it: the mean of
+    the faster reader's speeds in the passes just before and just after the step."""
+    fastest = [max(speeds.values()) for speeds in passes]
+    return [of_bound(read_bytes, step, (fastest[i] + fastest[i + 1]) / 2) for i, step in enumerate(steps)]
 
 
 def _resident_bytes() -> dict[str, int | None]:
@@ -156,31 +173,35 @@ def _first_load(options: DecodeOptions, level: str, own_kernel: bool) -> dict[st
 def _measure_level(options: DecodeOptions, level: str, own_kernel: bool) -> dict[str, Any]:
     """In a fresh process: load `level` as a worker does, finish its after-ready work, time it."""
     loaded = _load_level(options, level, own_kernel)
-    prefill, steps = _timings(loaded.model, options.tokens, options.prompt_tokens)
-    batched = {
-        count: statistics.median(_timings(loaded.model, options.tokens, options.prompt_tokens, count)[1])
-        for count in options.batches
-    }
     config = loaded.model.config
-    resident = _resident_bytes()  # before the bandwidth's buffer comes and goes
-    # The memory's read speed now, in this process: this project's VMs swing between two speeds
-    # within minutes, so each turn's steps are held against the speed of their own moment.
+    weights = decode_weight_bytes(loaded.model)
     threads = options.threads or torch.get_num_threads()
-    bandwidth = measure_read_bandwidth(threads, kernels=loaded.kernels)
+    counts = (1, *options.batches)
+    kv = {count: kv_bytes_read(config, count, options.prompt_tokens, options.tokens) for count in counts}
+    prefill, steps, passes = {}, {}, {}
+    with MemoryReader(threads, kernels=loaded.kernels) as reader:
+        for count in counts:
+            prefill[count], steps[count], passes[count] = _timings(
+                loaded.model, options.tokens, options.prompt_tokens, count, reader
+            )
+    resident = _resident_bytes()  # with the reader's buffer unmapped
+    every_pass = [speeds for count in counts for speeds in passes[count]]
     return {
-        "batch_step_s": batched,
-        "kv_bytes_per_step": {
-            count: kv_bytes_read(config, count, options.prompt_tokens, options.tokens) for count in (1, *batched)
+        "batch_step_s": {count: statistics.median(steps[count]) for count in options.batches},
+        "kv_bytes_per_step": kv,
+        # the median step's share of its bound, each step against the memory's speed on both sides of it
+        "of_bound": {
+            count: statistics.median(step_shares(weights + kv[count], steps[count], passes[count])) for count in counts
         },
         "quantize": loaded.choices.quantize,
         "dtype": loaded.choices.dtype,
         "prefill_dtype": loaded.choices.prefill_dtype,
-        "prefill_s": prefill,
-        "step_s": statistics.median(steps),
-        "decode_bytes_per_token": decode_weight_bytes(loaded.model),
+        "prefill_s": prefill[1],
+        "step_s": statistics.median(steps[1]),
+        "decode_bytes_per_token": weights,
         **resident,
-        "read_bandwidth_bytes_per_s": bandwidth["bytes_per_s"],
-        "read_bandwidth_readers": bandwidth["readers_bytes_per_s"],  # the bound is the faster
+        "read_bandwidth_bytes_per_s": statistics.median(max(speeds.values()) for speeds in every_pass),
+        "read_bandwidth_readers": readers_medians(every_pass),
         "kernels": loaded.kernels.status,
         "rounded_layers": loaded.rounded_layers,
     }
@@ -295,17 +316,10 @@ def of_bound(read_bytes: float, step_s: float, bandwidth: float) -> float:
 
 def _of_bound(measured: list[dict[str, Any]], batches: tuple[int, ...]) -> dict[str, dict[str, Any]]:
     """Per sequence count (1 and each batch): the median and range over the rounds of each round's
-    step against its own turn's read speed."""
+    median step share (`step_shares`)."""
     shares = {}
     for count in (1, *batches):
-        values = [
-            of_bound(
-                run["decode_bytes_per_token"] + run["kv_bytes_per_step"][count],
-                run["step_s"] if count == 1 else run["batch_step_s"][count],
-                run["read_bandwidth_bytes_per_s"],
-            )
-            for run in measured
-        ]
+        values = [run["of_bound"][count] for run in measured]
         shares[str(count)] = {"median": statistics.median(values), "range": [min(values), max(values)]}
     return shares
 
@@ -383,7 +397,7 @@ def render(result: dict[str, Any]) -> str:
     low, high = result["read_bandwidth_range"]
     readers = ", ".join("%s %.1f" % (name, speed / 1e9) for name, speed in result["read_bandwidth_readers"].items())
     lines.append(
-        "\nmemory read speed, measured in each turn after its steps: %.1f GB/s (%.1f-%.1f; the faster reader's;"
-        " medians: %s)" % (result["read_bandwidth_bytes_per_s"] / 1e9, low / 1e9, high / 1e9, readers)
+        "\nmemory read speed, measured between each turn's steps: %.1f GB/s (%.1f-%.1f over the turns; the"
+        " faster reader's; medians: %s)" % (result["read_bandwidth_bytes_per_s"] / 1e9, low / 1e9, high / 1e9, readers)
     )
     return "\n".join(lines)
