@@ -390,9 +390,58 @@ def test_the_peer_table_is_the_ratio_of_the_medians_over_rounds_with_each_sides_
     assert "tok/s at 1" not in summary  # the single-client figures are TTFT and TPOT
 
 
+def test_side_by_side_pairs_send_each_photo_once_to_each_server(tiny_model, server):
+    """bench-peer's side-by-side phase: both servers up, each pair one new photo to one side then the
+    other, after a warm-up to each; every request a miss of the workers' caches."""
+    from vlserve.bench.peer import PeerOptions, side_by_side  # noqa: PLC0415
+
+    other = Server(tiny_model).wait_ready()
+    try:
+        options = PeerOptions(model=tiny_model, side_by_side=3, image_size=(96, 64), max_tokens=3, progress=False)
+        before = {name: s.metrics() for name, s in (("a", server), ("b", other))}
+        pairs = side_by_side(options, {"vlserve": server.url, "llama": other.url})
+        after = {name: s.metrics() for name, s in (("a", server), ("b", other))}
+    finally:
+        other.stop()
+    assert len(pairs) == 3
+    for measured in pairs:
+        assert set(measured) == {"vlserve", "llama"}
+        assert all(measured[side]["ttft_s"] > 0 and measured[side]["tpot_s"] > 0 for side in measured)
+    for name in ("a", "b"):  # a warm-up and three pairs: four new photos to each server
+        for cache in ("result", "vision"):
+            hits = ("vlserve_cache_hits_total", (("cache", cache),))
+            misses = ("vlserve_cache_misses_total", (("cache", cache),))
+            assert after[name][hits] - before[name].get(hits, 0) == 0
+            assert after[name][misses] - before[name].get(misses, 0) == 4
+
+
+def test_the_side_by_side_ratio_is_the_median_of_each_pairs_own_ratio():
+    """A pair's two requests met one moment of the machine: the ratio is the median of the pairs'
+    ratios, which a slow minute for both sides does not move, unlike the ratio of the medians."""
+    from vlserve.bench.peer import render, summarize_side_by_side  # noqa: PLC0415
+
+    def pair(ours: float, theirs: float) -> dict:
+        return {"vlserve": {"ttft_s": 2 * ours, "tpot_s": ours}, "llama": {"ttft_s": 2 * theirs, "tpot_s": theirs}}
+
+    # fast, fast, slow minutes: vlserve 0.9x of llama.cpp in each pair; the medians' ratio says 0.6x
+    rounds = [{"int8": {"side_by_side": [pair(0.045, 0.05), pair(0.054, 0.06)]}},
+              {"int8": {"side_by_side": [pair(0.09, 0.1)]}}]  # fmt: skip
+    summary = summarize_side_by_side([p for r in rounds for p in r["int8"]["side_by_side"]])
+    tpot = summary["TPOT side by side (ms)"]
+    assert tpot["ratio"] == pytest.approx(0.9) and tpot["ratio_range"] == pytest.approx([0.9, 0.9])
+    assert tpot["vlserve"]["median"] == pytest.approx(54) and tpot["llama"]["median"] == pytest.approx(60)
+    assert tpot["pairs"] == 3 and summary["TTFT side by side (ms)"]["llama"]["max"] == pytest.approx(200)
+    result = {"llama_cpp": {"commit": "0c1e57098", "llama_cpp_python": "0.3.36", "amx": True}, "threads": 2,
+              "image_tokens": 180, "max_tokens": 32, "rounds": rounds, "concurrency": [1],
+              "pairs": {"int8": "Q8_0"}, "summary": {"int8": summary}}  # fmt: skip
+    assert "0.90x (0.90-0.90x over 3 pairs)" in render(result)
+
+
 def test_bench_peer_refuses_a_sweep_without_single_client_figures_and_a_missing_model(tiny_model, tmp_path):
     result = run_tool("vlserve", "bench-peer", "--model", str(tiny_model), "--concurrency", "2", "4")
     assert result.returncode == 2 and "--concurrency needs 1" in result.stderr
+    result = run_tool("vlserve", "bench-peer", "--model", str(tiny_model), "--side-by-side", "-1")
+    assert result.returncode == 2 and "--side-by-side takes a count" in result.stderr
     result = run_tool("vlserve", "bench-peer", "--model", str(tmp_path / "none"))
     assert result.returncode == 2 and str(tmp_path / "none") in result.stderr
 

@@ -97,6 +97,7 @@ class PeerOptions:
     rounds: int = 3
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     requests: int = 4  # single-client requests per round; N clients send 2N
+    side_by_side: int = 4  # request pairs per round with both servers up, taking turns (0: none)
     threads: int = 2
     image_size: tuple[int, int] | None = (1280, 720)  # None: text-only questions
     max_tokens: int = 32
@@ -354,6 +355,53 @@ def _later_turns(options: PeerOptions, url: str) -> dict:
     }
 
 
+# Photos of the side-by-side pairs (a warm-up for each side first): seeds of their own, as above.
+SIDE_BY_SIDE_SEEDS = 7000
+
+
+def side_by_side(options: PeerOptions, urls: dict[str, str]) -> list[dict]:
+    """With both servers up (`urls`: side -> URL), `options.side_by_side` pairs of single requests: each
+    pair one new photo and question, sent to one side and then the other (who goes first alternates),
+    after a warm-up request to each. This project's VMs change their memory's speed within seconds, so
+    time per token from one side's round and the other's can meet different memory; a pair's two
+    requests run seconds apart. Returns each pair's TTFT and TPOT by side."""
+    sides = list(urls)
+    warm = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=SIDE_BY_SIDE_SEEDS - 1)
+    single_requests([urls[side] for side in sides], [warm.payload(0, None)] * len(sides))
+    pairs = []
+    for index in range(options.side_by_side):
+        photos = Workload(image_size=options.image_size, max_tokens=options.max_tokens, seed=SIDE_BY_SIDE_SEEDS + index)
+        body = photos.payload(0, None)
+        order = sides if index % 2 == 0 else sides[::-1]
+        results = single_requests([urls[side] for side in order], [body] * len(order))
+        pairs.append({side: {"ttft_s": r.ttft_s, "tpot_s": r.tpot_s} for side, r in zip(order, results, strict=True)})
+    return pairs
+
+
+def run_side_by_side(
+    options: PeerOptions, build: dict, files: dict[str, Path], pair: str, *, tokens: int, served_files: set[Path]
+) -> list[dict]:
+    """`side_by_side` for one pair: the level's plan workers and llama-server (one slot) started
+    together, each side's files warm."""
+    level, kind = pair.split("/", maxsplit=1)[0], PAIRS[pair]
+    warm_page_cache(options.model)
+    warm_files(sorted(served_files))
+    warm_files((files[kind], files["mmproj"]))
+    workers = start_plan_workers(options.model, _plan(level), extra=COMMON | {"threads": str(options.threads)})
+    llama = None
+    try:
+        llama = LlamaServer(
+            build["server"], files[kind], files["mmproj"], threads=options.threads, slots=1, image_tokens=tokens
+        )
+        llama.wait_ready()
+        return side_by_side(options, {"vlserve": workers[0].url, "llama": llama.url})
+    finally:
+        if llama is not None:
+            llama.stop()
+        for worker in workers:
+            worker.stop()
+
+
 def _rss(pids: list[int]) -> int:
     return MemoryWatch(pids).sample()
 
@@ -456,6 +504,13 @@ def bench_peer(options: PeerOptions) -> dict:
                 for path in sorted(weights - own[side, name]):
                     pagehistory.drop(path)
                 measured[pair][side] = run()
+            if options.side_by_side:
+                say("round %d/%d: %s side by side with %s" % (index + 1, options.rounds, level, PAIRS[pair]))
+                for path in sorted(weights - own["vlserve", level] - own["llama", PAIRS[pair]]):
+                    pagehistory.drop(path)
+                measured[pair]["side_by_side"] = run_side_by_side(
+                    options, build, files, pair, tokens=tokens, served_files=served_files[level]
+                )
         rounds.append(measured)
     return {
         "schema": SCHEMA,
@@ -522,6 +577,28 @@ def summarize(rounds: list[dict], options: PeerOptions) -> dict:
                 **{side: {"median": medians[side], "min": min(v), "max": max(v)} for side, v in values.items()},
                 "ratio": medians["vlserve"] / medians["llama"] if medians["llama"] else None,
             }
+        summary[pair].update(summarize_side_by_side([p for r in rounds for p in r[pair].get("side_by_side", [])]))
+    return summary
+
+
+SIDE_BY_SIDE_FIGURES = {"TTFT side by side (ms)": "ttft_s", "TPOT side by side (ms)": "tpot_s"}
+
+
+def summarize_side_by_side(pairs: list[dict]) -> dict:
+    """Over every round's side-by-side pairs: each side's median and range, and the ratio as the
+    median of the pairs' own ratios (each pair met one moment of the machine), with their range."""
+    if not pairs:
+        return {}
+    summary = {}
+    for name, key in SIDE_BY_SIDE_FIGURES.items():
+        values = {side: [p[side][key] * 1000 for p in pairs] for side in ("vlserve", "llama")}
+        ratios = [p["vlserve"][key] / p["llama"][key] for p in pairs]
+        summary[name] = {
+            **{side: {"median": statistics.median(v), "min": min(v), "max": max(v)} for side, v in values.items()},
+            "ratio": statistics.median(ratios),
+            "ratio_range": [min(ratios), max(ratios)],
+            "pairs": len(pairs),
+        }
     return summary
 
 
@@ -541,6 +618,7 @@ def render(result: dict) -> str:
         )
     ]
     lower = {name: low for name, _pick, _scale, low in figures(result["concurrency"])}
+    lower.update(dict.fromkeys(SIDE_BY_SIDE_FIGURES, True))
     for pair, rows in result["summary"].items():
         lines.append("")
         lines.append("%-22s %-22s %-22s %s" % (pair + " vs " + result["pairs"][pair], "vlserve", "llama.cpp", "ratio"))
@@ -556,10 +634,19 @@ def render(result: dict) -> str:
                     name,
                     cell(figure["vlserve"]),
                     cell(figure["llama"]),
-                    "-" if ratio is None else "%.2fx%s" % (ratio, "" if lower[name] else " (higher is better)"),
+                    "-"
+                    if ratio is None
+                    else "%.2fx%s%s" % (ratio, _pairs_range(figure), "" if lower[name] else " (higher is better)"),
                 )
             )
     return "\n".join(lines)
+
+
+def _pairs_range(figure: dict) -> str:
+    """A side-by-side figure's ratio range over its request pairs."""
+    if "ratio_range" not in figure:
+        return ""
+    return " (%.2f-%.2fx over %d pairs)" % (*figure["ratio_range"], figure["pairs"])
 
 
 def _number(value: float) -> str:

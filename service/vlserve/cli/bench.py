@@ -96,6 +96,8 @@ def cmd_bench_peer(args: argparse.Namespace) -> int:
         raise BadInput(str(error)) from None
     if any(clients < 1 for clients in args.concurrency) or 1 not in args.concurrency:
         raise BadInput("--concurrency needs 1 (the single-stream figures) and counts of at least 1")
+    if args.side_by_side < 0:
+        raise BadInput("--side-by-side takes a count of request pairs, 0 or more")
     threads = args.threads or sizing.default_threads(sizing.probe(use_libraries=False))
     result = bench_peer(
         PeerOptions(
@@ -105,6 +107,7 @@ def cmd_bench_peer(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             concurrency=tuple(sorted(set(args.concurrency))),
             requests=args.requests,
+            side_by_side=args.side_by_side,
             threads=threads,
             image_size=args.image_size,
             max_tokens=args.max_tokens,
@@ -363,6 +366,14 @@ def _add_peer(commands) -> None:
         "--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="client counts (default: 1 2 4 8)"
     )
     peer.add_argument("--requests", type=int, default=4, help="single-client requests per round (default: 4)")
+    peer.add_argument(
+        "--side-by-side",
+        type=int,
+        default=4,
+        metavar="PAIRS",
+        help="request pairs per round and pair of servers with both up, each pair one photo to each in "
+        "turn: time per token and to first token as ratios of the pairs (default: 4; 0 skips them)",
+    )
     peer.add_argument("--threads", type=int, help="threads for both servers (default: the service's default)")
     peer.add_argument(
         "--no-amx",
