@@ -450,7 +450,7 @@ def test_the_peer_build_patches_ggmls_tile_config_load_once_and_records_it(tmp_p
     """ggml's `_tile_loadconfig(&tc)` becomes ldtilecfg with the whole struct as operand (GCC 12 may
     drop the struct's stores otherwise); applying it again changes nothing, and a source without the
     line is left alone with no patch recorded."""
-    from vlserve.bench.peer import TILE_CONFIG_FILE, patch_tile_config  # noqa: PLC0415
+    from vlserve.bench.llamacpp import TILE_CONFIG_FILE, patch_tile_config  # noqa: PLC0415
 
     mmq = tmp_path / TILE_CONFIG_FILE
     mmq.parent.mkdir(parents=True)

@@ -379,7 +379,7 @@ def _add_peer(commands) -> None:
         "--no-amx",
         action="store_true",
         help="build llama.cpp without its AMX kernels (by default they are built, their tile-config load "
-        "fixed for GCC 12: vlserve.bench.peer.TILE_CONFIG_PATCH)",
+        "fixed for GCC 12: vlserve.bench.llamacpp.TILE_CONFIG_PATCH)",
     )
     add_workload_flags(peer, max_tokens=32)
     peer.set_defaults(handler=cmd_bench_peer)
