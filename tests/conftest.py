@@ -55,6 +55,20 @@ TOOL_ENV = dict(
 )
 
 
+def vm_flags_at(address: int) -> set[str]:
+    """The smaps VmFlags of this process's mapping that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(value, 16) for value in head.split("-"))
+                inside = low <= address < high
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError("no mapping holds %#x" % address)
+
+
 def run_tool(tool: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run one of the venv's tools from the repository root and capture what it prints."""
     return subprocess.run(

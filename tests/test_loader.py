@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TOPOLOGIES, load_topology
+from conftest import TOPOLOGIES, load_topology, vm_flags_at
 from vlserve import sizing
 from vlserve.model.loader import choose
 from vlserve.settings import LimitSettings, ModelSettings
@@ -69,6 +69,31 @@ def _resident_bytes_of(path) -> int:
             elif inside and line.startswith("Rss:"):
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def test_a_table_read_by_rows_in_the_checkpoint_map_is_advised_random(tmp_path):
+    """MADV_RANDOM (smaps' "rr"): a row that left the page cache is read alone, not with the device's
+    read-ahead window; anonymous memory is left alone and the values are the file's."""
+    import mmap  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from vlserve.model import mapped  # noqa: PLC0415
+
+    path = tmp_path / "model.safetensors"
+    original = torch.randn(4096, 512).bfloat16()  # 4 MiB: rows of 1 KiB
+    save_file({"before": torch.zeros(3), "table": original}, path)
+    with safe_open(path, framework="pt") as checkpoint:
+        table = checkpoint.get_tensor("table")
+    middle = table.data_ptr() + table.nbytes // 2
+    assert "rr" not in vm_flags_at(middle)
+    advised = mapped.read_by_rows(table)
+    assert table.nbytes - 2 * mmap.PAGESIZE <= advised <= table.nbytes
+    assert "rr" in vm_flags_at(middle) and torch.equal(table, original)
+    copy = table.clone()
+    assert mapped.read_by_rows(copy) == 0 and "rr" not in vm_flags_at(copy.data_ptr())
 
 
 def test_a_tensor_copied_out_of_the_checkpoint_map_gives_its_pages_back(tmp_path):

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import run_tool
+from conftest import run_tool, vm_flags_at
 from vlserve.kernels import native, quantized
 from vlserve.model import packing, weightcache
 from vlserve.model.loader import load_model
@@ -195,6 +195,10 @@ def test_settle_leaves_nothing_for_after_ready(checkpoint, tmp_path):
     loaded.settle()
     assert (loaded.layout_steps, loaded.prefill_copies) == ([], [])
     assert packing.layout_steps(loaded.model) == [] and packing.pending_prefill_copies(loaded.model) == []
+    # The output head is an int8 copy: the embedding, looked up a row at a time in the checkpoint's map,
+    # is advised so (vlserve.model.mapped.read_by_rows).
+    embedding = loaded.model.model.language_model.embed_tokens.weight
+    assert "rr" in vm_flags_at(embedding.data_ptr() + embedding.nbytes // 2)
 
 
 def test_int8_prompt_copies_are_mapped_from_the_cache_not_made_after_ready(checkpoint, tmp_path, roundings, caplog):

@@ -23,7 +23,7 @@ from vlserve.errors import ModelDirectoryError
 from vlserve.kernels import native
 from vlserve.kernels.native import Kernels
 from vlserve.kernels.quantized import add_int8_prompt_copies, int4_supported, int8_products_supported
-from vlserve.model import decoderops, outliers, pages
+from vlserve.model import decoderops, mapped, outliers, pages
 from vlserve.model.checkpoint import load_network
 from vlserve.model.config import model_config, read_json
 from vlserve.model.packing import (
@@ -282,6 +282,9 @@ def _quantized(network, taken: _Taken, *, choices: LoadChoices, level: str, prep
     )
     if choices.dtype != "bfloat16":
         network.to(getattr(torch, choices.dtype))  # the rest: embedding, norms (quantized weights stay)
+    # The output head has its own int8 copy: the embedding is only looked up, a row per new token, where
+    # it lies in the checkpoint's map (which, unlike the weight cache, is not settled at these levels).
+    mapped.read_by_rows(network.model.language_model.embed_tokens.weight)
     decoderops.decode_with(network, taken.kernels)  # the norms and rotary in one call each, where loaded
     taken.prefill_dtype = copy or level
     _int8_prompt_copies(network, taken, prepared)

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 PROT_NONE = 0
 MAP_FIXED = 0x10
 MAP_NORESERVE = 0x4000
+MADV_RANDOM = 1
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 
