@@ -831,6 +831,24 @@ def test_the_attention_op_refuses_what_it_does_not_take(ops):
         ops.one_query_attention(query, key.transpose(2, 3).contiguous().transpose(2, 3), key, None, 1.0)
     with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
         ops.one_query_attention(query, key.bfloat16(), key, None, 1.0)
+    two = torch.randn(2, 2, 5, 32)
+    with pytest.raises(RuntimeError, match="the mask's rows are not the batch's"):
+        ops.one_query_attention(torch.randn(2, 4, 1, 32), two, two, torch.ones(3, 1, 1, 5, dtype=torch.bool), 1.0)
+
+
+def test_the_attention_op_gives_zeros_where_a_sequence_has_nothing_to_attend_to(ops):
+    """As the prompt attention op: a fully masked row is zeros (torch's softmax would make it NaN),
+    and the other sequences of the batch are as they would be alone."""
+    torch.manual_seed(5)
+    key = torch.randn(2, 8, 9, 128).bfloat16()
+    value = torch.randn(2, 8, 9, 128).bfloat16()
+    query = torch.randn(2, 16, 1, 128).bfloat16()
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[0] = False
+    out = ops.one_query_attention(query, key, value, mask, 0.088)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    alone = ops.one_query_attention(query[1:], key[1:], value[1:], None, 0.088)
+    assert torch.equal(out[1:], alone)
 
 
 @needs_bf16

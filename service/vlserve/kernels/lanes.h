@@ -34,4 +34,23 @@ __attribute__((target("avx512f,avx512bw"))) inline void store16(__m512 v, at::BF
   _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(rounded));
 }
 
+// e^x for x <= 0 (scores less their row's maximum), 0 below -87 (and for -inf): Cephes' expf
+// polynomial on x - n ln 2, scaled by 2^n; within 2 units of float32's last place.
+__attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
 }  // namespace vlserve::lanes
