@@ -836,6 +836,30 @@ def test_the_attention_op_refuses_what_it_does_not_take(ops):
         ops.one_query_attention(torch.randn(2, 4, 1, 32), two, two, torch.ones(3, 1, 1, 5, dtype=torch.bool), 1.0)
 
 
+@needs_avx512
+@pytest.mark.parametrize(
+    "rows,width",
+    [(1, 6144), (4, 6144), (8, 6144), (64, 6144), (2, 64), (8, 8), (16, 12), (3, 37), (5, 100), (1, 7)],
+)
+def test_silu_mul_is_aten_silu_times_up_to_the_bit(ops, rows, width):
+    """The decoder layer's SiLU and product in one pass (kernels/decode_vnni.cpp): the bits of
+    at::silu(gate) * up on this CPU's ATen kernels, vectors across rows' ends included, and
+    infinities, NaN and values far out in the gate; sizes where ATen's loops would leave a tail to
+    their scalar forms (or ATen runs without vectors) it refuses, and the layer keeps ATen there."""
+    generator = torch.Generator().manual_seed(rows * 1000 + width)
+    gate_up = (torch.randn(rows, 2 * width, generator=generator) * 4).bfloat16()
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 88.0, -88.0, 1e-30, -0.0, 200.0])
+    gate_up[0, : min(width, len(specials))] = specials[: min(width, len(specials))].bfloat16()
+    expected = torch.nn.functional.silu(gate_up[:, :width].contiguous()) * gate_up[:, width:].contiguous()
+    if not ops.silu_mul_exact(rows * width):
+        assert (rows * width) % 64 or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+        with pytest.raises(RuntimeError, match="would not round as at::silu and at::mul"):
+            ops.silu_mul(gate_up)
+        return
+    got = ops.silu_mul(gate_up)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
 def test_the_attention_op_gives_zeros_where_a_sequence_has_nothing_to_attend_to(ops):
     """As the prompt attention op: a fully masked row is zeros (torch's softmax would make it NaN),
     and the other sequences of the batch are as they would be alone."""

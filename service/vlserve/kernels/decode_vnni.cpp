@@ -55,6 +55,8 @@
 // file for the baseline ISA: the library loads on any x86-64 CPU, and vlserve.kernels.native calls it only
 // where the CPU has AVX-512 VNNI (and bf16_linear only where it has AVX-512 BF16 too).
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
+#include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/empty.h>
@@ -65,6 +67,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -620,6 +623,90 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 }
 }  // namespace vlserve
 
+// silu_mul: the MLP's silu(gate) * up in one pass over a decode step's rows, with at::silu's and
+// at::mul's bits (the decoder layer stays the Python layer's bit for bit): at::silu rounds each
+// x / (1 + e^-x) to bfloat16 with libtorch_cpu's vectorized e^x (Sleef's, the same bits from its AVX2
+// and AVX-512 kernels: 4M values compared), at::mul multiplies in float32 and rounds; silu_mul_exact
+// says for which sizes ATen runs vectors alone. Weak, so a torch build without Sleef's symbol still loads
+// the library, and its layers keep at::silu.
+extern "C" __attribute__((weak)) __m512 Sleef_expf16_u10(__m512);
+
+namespace {
+
+// float32 -> bfloat16 (in the high half of each lane), as ATen's vectorized conversion rounds: to
+// nearest even, NaN 0xFFFF.
+__attribute__((target("avx512f,avx512bw"))) inline __m512i round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xFFFF0000u));
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32((int)0xFFFF0000u));
+}
+
+// 16 of silu(x) * up in bfloat16, as at::silu's and at::mul's vectorized kernels round them.
+__attribute__((target("avx512f,avx512bw"))) inline __m256i silu_times(__m512 x, __m512 up) {
+  const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+  const __m512 e = Sleef_expf16_u10(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));
+  const __m512 silu = _mm512_castsi512_ps(round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e))));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16(_mm512_mul_ps(silu, up)), 16));
+}
+
+// silu(gate) * up for elements [i0, i1) of the (rows, width) result, gate and up the two halves of
+// each row of `gate_up`.
+__attribute__((target("avx512f,avx512bw"))) void silu_mul_range(const at::BFloat16* gate_up, int64_t width,
+                                                                at::BFloat16* out, int64_t i0, int64_t i1) {
+  const auto gate_at = [&](int64_t i) { return gate_up + i / width * 2 * width + i % width; };
+  for (int64_t i = i0; i < i1;) {
+    const at::BFloat16* gate = gate_at(i);
+    const int64_t whole = std::min(i1 - i, width - i % width) / 16 * 16;  // whole vectors along this row
+    for (int64_t j = 0; j < whole; j += 16)
+      _mm256_storeu_si256((__m256i*)(out + i + j), silu_times(load16(gate + j), load16(gate + width + j)));
+    i += whole;
+    if (whole > 0) continue;
+    // A vector across a row's end, or the range's last few: element by element.
+    const int64_t count = std::min<int64_t>(16, i1 - i);
+    alignas(64) float gates[16] = {}, ups[16] = {};
+    for (int64_t j = 0; j < count; ++j) {
+      gates[j] = float(*gate_at(i + j));
+      ups[j] = float(gate_at(i + j)[width]);
+    }
+    alignas(32) uint16_t part[16];
+    _mm256_store_si256((__m256i*)part, silu_times(_mm512_load_ps(gates), _mm512_load_ps(ups)));
+    std::memcpy(out + i, part, count * sizeof(uint16_t));
+    i += count;
+  }
+}
+
+}  // namespace
+
+namespace vlserve {
+bool silu_mul_exact(int64_t elements) {
+  // ATen's loops leave what is past their last two vectors (64 bfloat16 on AVX-512, 32 on AVX2) to
+  // scalar forms (std::exp, another NaN): every element must fall in those vectors, on each thread's
+  // share (at::parallel_for's split). Without AVX2 or AVX-512 its e^x is std::exp's.
+  static const bool vectors = at::get_cpu_capability() == "AVX512" || at::get_cpu_capability() == "AVX2";
+  if (Sleef_expf16_u10 == nullptr || !vectors || elements % 64 != 0) return false;
+  const int64_t grain = at::internal::GRAIN_SIZE;
+  if (elements <= grain) return true;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (elements + grain - 1) / grain);
+  return (elements + threads - 1) / threads % 64 == 0;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.scalar_type() == at::kBFloat16,
+              "silu_mul: gate_up must be (rows, 2 * width) bfloat16");
+  const at::Tensor rows = gate_up.contiguous();
+  const int64_t width = rows.size(1) / 2, n = rows.size(0) * width;
+  TORCH_CHECK(silu_mul_exact(n), "silu_mul: ", n, " elements would not round as at::silu and at::mul round them here");
+  at::Tensor out = at::empty({rows.size(0), width}, rows.options());
+  const at::BFloat16* in = rows.data_ptr<at::BFloat16>();
+  at::BFloat16* po = out.data_ptr<at::BFloat16>();
+  // A decode step's four rows of 6144 take both threads, one row stays on one.
+  at::parallel_for(0, n, 8192, [&](int64_t i0, int64_t i1) { silu_mul_range(in, width, po, i0, i1); });
+  return out;
+}
+}  // namespace vlserve
+
 namespace {
 // vlserve.model.attention's one-query attention (a decode step): q (batch, heads, 1, dim), key and value
 // (batch, kv_heads, tokens, dim), views of the growing cache with any strides but a contiguous last
@@ -940,6 +1027,8 @@ TORCH_LIBRARY(vlserve, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   lib.def("one_query_attention(Tensor q, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  lib.def("silu_mul(Tensor gate_up) -> Tensor");
+  lib.def("silu_mul_exact(int elements) -> bool", vlserve::silu_mul_exact);  // no tensors: one kernel
 }
 TORCH_LIBRARY_IMPL(vlserve, CPU, lib) {
   lib.impl("int4_linear", vlserve::int4_linear);
@@ -947,4 +1036,5 @@ TORCH_LIBRARY_IMPL(vlserve, CPU, lib) {
   lib.impl("rms_norm", vlserve::rms_norm);
   lib.impl("rotary", vlserve::rotary);
   lib.impl("one_query_attention", vlserve::one_query_attention);
+  lib.impl("silu_mul", vlserve::silu_mul);
 }

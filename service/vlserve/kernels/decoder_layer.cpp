@@ -163,9 +163,14 @@ struct DecoderLayer : torch::CustomClassHolder {
     // MLP (Qwen3VLTextMLP.forward): down(silu(gate) * up).
     const at::Tensor gate_up_out =
         project(*gate_up, vlserve::rms_norm(after_attention, post_norm, eps).reshape({batch, width}), dtype);
-    const at::Tensor gate = gate_up_out.narrow(1, 0, intermediate).contiguous();
-    const at::Tensor up = gate_up_out.narrow(1, intermediate, intermediate).contiguous();
-    const at::Tensor mlp_out = project(*down, at::silu(gate) * up, dtype);
+    // vlserve::silu_mul is at::silu(gate) * up to the bit, in one pass where those take two copies and
+    // three calls: 33 us of each layer at four sequences against 14 (2-vCPU Zen 4).
+    const at::Tensor activated =
+        vlserve::silu_mul_exact(batch * intermediate)
+            ? vlserve::silu_mul(gate_up_out)
+            : at::silu(gate_up_out.narrow(1, 0, intermediate).contiguous()) *
+                  gate_up_out.narrow(1, intermediate, intermediate).contiguous();
+    const at::Tensor mlp_out = project(*down, activated, dtype);
     return after_attention + mlp_out.view({batch, 1, width});
   }
 };

@@ -21,5 +21,8 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
                                          const at::Tensor& sin);
 at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
                                const c10::optional<at::Tensor>& mask, double scale);
+// Whether silu_mul gives at::silu(gate) * up's bits for that many elements on this CPU and thread count.
+bool silu_mul_exact(int64_t elements);
+at::Tensor silu_mul(const at::Tensor& gate_up);
 
 }  // namespace vlserve
