@@ -921,6 +921,27 @@ def test_the_prompt_attention_op_is_its_reference_within_its_rounding(ops, shape
 
 
 @needs_bf16
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_the_prompt_attention_op_reads_no_key_past_the_last_one_a_block_of_queries_attends_to(ops, mask_dtype):
+    """A causal prompt's first 16 queries attend to its first 16 keys: keys and values past the op's
+    next multiple of 32 are not read for them (NaN there changes nothing), and their results are the
+    bits of the same prompt cut to those 32 tokens; later queries, which attend there, see the NaN."""
+    torch.manual_seed(5)
+    tokens, dim = 80, 128
+    query = torch.randn(1, tokens, 16, dim).bfloat16().transpose(1, 2)
+    key, value = torch.randn(2, 1, 8, tokens, dim).bfloat16()
+    allowed = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]
+    mask = allowed if mask_dtype == torch.bool else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    clean = ops.prompt_attention(query, key, value, mask, dim**-0.5)
+    key[:, :, 32:], value[:, :, 32:] = float("nan"), float("nan")
+    spoiled = ops.prompt_attention(query, key, value, mask, dim**-0.5)
+    assert torch.equal(spoiled[:, :16], clean[:, :16])
+    assert spoiled[:, 32:].isnan().all()
+    cut = ops.prompt_attention(query[:, :, :32], key[:, :, :32], value[:, :, :32], mask[..., :32, :32], dim**-0.5)
+    assert torch.equal(cut, clean[:, :32])
+
+
+@needs_bf16
 def test_the_prompt_attention_op_refuses_what_it_does_not_take(ops):
     query, key = torch.randn(1, 4, 3, 64).bfloat16(), torch.randn(1, 2, 5, 64).bfloat16()
     with pytest.raises(RuntimeError, match="multiple of 64 and contiguous"):

@@ -18,7 +18,13 @@
 // interleave in pairs (block, dim / 2, key, 2), so one vdpbf16ps multiplies one query's pair of
 // dimensions with 16 keys; the values in pairs of tokens (token / 2, dim, 2), so one multiplies one
 // query's pair of probabilities with 16 dimensions. Each work item is 16 queries of one head: its
-// scores (16 x keys, float32) stay in the cache between the two products.
+// scores (16 x keys, float32) stay in the cache between the two products, and it stops at the last key
+// one of its queries attends to (a causal prompt's early queries skip the keys after them).
+//
+// On a 2-vCPU Zen 4 (one vdpbf16ps a cycle a core), a vision layer (720 patches, 16 heads of 64) takes
+// 7.4 ms, ~80% of that rate in its two products; packing the keys and values with scalar moves and
+// copying the queries element by element took 2.4 ms more (9.8), and a 210-token causal prompt's layer
+// 2.0 ms where skipping the masked keys' half of the work takes 0.9.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -41,24 +47,44 @@ constexpr int64_t kRowTile = 8;     // queries per score tile (x two key blocks:
 constexpr int64_t kKeyMultiple = 32;  // keys padded to two blocks (and so to pairs of tokens)
 constexpr int64_t kDimTile = 64;    // dimensions per output tile (four vectors x four queries)
 
-// Keys t of (tokens, dim) at `key` (rows `stride` apart) as (padded / 16, dim / 2, 16, 2), zeros past `tokens`.
-void pack_keys(const at::BFloat16* key, int64_t stride, int64_t tokens, int64_t dim, int64_t padded, uint16_t* out) {
+// Keys t of (tokens, dim) at `key` (rows `stride` apart) as (padded / 16, dim / 2, 16, 2), zeros past
+// `tokens`: each pair of dimensions of 16 keys gathered into one vector.
+__attribute__((target("avx512f"))) void pack_keys(const at::BFloat16* key, int64_t stride, int64_t tokens,
+                                                  int64_t dim, int64_t padded, uint16_t* out) {
   const int64_t pairs = dim / 2;
-  for (int64_t t = 0; t < padded; ++t) {
-    const int64_t block = t / kKeys, lane = t % kKeys;
-    for (int64_t j = 0; j < pairs; ++j) {
-      uint16_t* o = out + ((block * pairs + j) * kKeys + lane) * 2;
-      o[0] = t < tokens ? key[t * stride + 2 * j].x : 0;
-      o[1] = t < tokens ? key[t * stride + 2 * j + 1].x : 0;
-    }
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(int32_t(stride / 2)));  // a key row, in pairs
+  for (int64_t t = 0; t < padded; t += kKeys) {
+    const int64_t left = std::min<int64_t>(kKeys, std::max<int64_t>(0, tokens - t));
+    const __mmask16 real = left == kKeys ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const int32_t* first = reinterpret_cast<const int32_t*>(key + t * stride);
+    for (int64_t j = 0; j < pairs; ++j)
+      _mm512_storeu_si512(out + ((t / kKeys) * pairs + j) * kKeys * 2,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, rows, first + j, 4));
   }
 }
 
-// Values of (tokens, dim) as (padded / 2, dim, 2), zeros past `tokens`.
-void pack_values(const at::BFloat16* value, int64_t stride, int64_t tokens, int64_t dim, int64_t padded,
-                 uint16_t* out) {
-  for (int64_t t = 0; t < padded; ++t)
-    for (int64_t d = 0; d < dim; ++d) out[((t / 2) * dim + d) * 2 + t % 2] = t < tokens ? value[t * stride + d].x : 0;
+// Values of (tokens, dim) as (padded / 2, dim, 2), zeros past `tokens`: two tokens' rows interleaved.
+__attribute__((target("avx512f,avx512bw"))) void pack_values(const at::BFloat16* value, int64_t stride, int64_t tokens,
+                                                             int64_t dim, int64_t padded, uint16_t* out) {
+  __m512i low, high;  // vpermt2w: dimension i of the even token, then of the odd, for dimensions 0-15 and 16-31
+  alignas(64) uint16_t low_index[32], high_index[32];
+  for (int i = 0; i < 16; ++i) {
+    low_index[2 * i] = uint16_t(i), low_index[2 * i + 1] = uint16_t(32 + i);
+    high_index[2 * i] = uint16_t(16 + i), high_index[2 * i + 1] = uint16_t(48 + i);
+  }
+  low = _mm512_load_si512(low_index);
+  high = _mm512_load_si512(high_index);
+  for (int64_t t = 0; t < padded; t += 2) {
+    const at::BFloat16* even = value + t * stride;
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512i a = t < tokens ? _mm512_loadu_si512(even + d) : _mm512_setzero_si512();
+      const __m512i b = t + 1 < tokens ? _mm512_loadu_si512(even + stride + d) : _mm512_setzero_si512();
+      uint16_t* o = out + ((t / 2) * dim + d) * 2;
+      _mm512_storeu_si512(o, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(o + 32, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
 }
 
 // Scores of kRowTile queries (rows of `dim` at q) against two packed key blocks, into s (rows `lds` apart).
@@ -184,6 +210,11 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& key, const at
   at::Tensor out = at::empty({batch, queries, heads, dim}, q.options());  // transformers' layout after attention
   const at::BFloat16* pq = q.data_ptr<at::BFloat16>();
   at::BFloat16* po = out.data_ptr<at::BFloat16>();
+  const int64_t q_batch = q.stride(0), q_head = q.stride(1), q_row = q.stride(2);
+  const bool* bool_rows = m.defined() && m.scalar_type() == at::kBool ? m.data_ptr<bool>() : nullptr;
+  const float* float_rows = m.defined() && m.scalar_type() == at::kFloat ? m.data_ptr<float>() : nullptr;
+  const int64_t m_batch = m.defined() ? m.stride(0) : 0, m_head = m.defined() ? m.stride(1) : 0,
+                m_row = m.defined() ? m.stride(2) : 0;
   const int64_t blocks = (queries + kQueries - 1) / kQueries;
   at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<uint16_t> rows(kQueries * dim), probabilities(kQueries * padded);
@@ -191,31 +222,41 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& key, const at
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (heads * blocks), h = i / blocks % heads, first = i % blocks * kQueries;
       const int64_t count = std::min(kQueries, queries - first), stream = b * kv_heads + h / group;
+      const at::BFloat16* block_queries = pq + b * q_batch + h * q_head + first * q_row;
       for (int64_t r = 0; r < kQueries; ++r)  // the block's queries, zeros past the last
-        for (int64_t d = 0; d < dim; ++d)
-          rows[r * dim + d] =
-              r < count ? pq[b * q.stride(0) + h * q.stride(1) + (first + r) * q.stride(2) + d].x : uint16_t(0);
+        if (r < count)
+          std::memcpy(rows.data() + r * dim, block_queries + r * q_row, dim * sizeof(uint16_t));
+        else
+          std::fill_n(rows.data() + r * dim, dim, uint16_t(0));
+      // The block's keys end where the last key any of its queries attends to does (a causal prompt's
+      // early queries, a shorter sequence's padding): past it every score is masked, so no product,
+      // exponential or value of it is computed; the sums over the keys before it are the same.
+      const int64_t mask_offset = b * m_batch + h * m_head + first * m_row;
+      int64_t reach = bool_rows == nullptr && float_rows == nullptr ? tokens : 0;
+      for (int64_t r = count - 1; r >= 0 && reach < tokens; --r) {  // a causal block's last query reaches furthest
+        int64_t last = tokens;
+        if (bool_rows != nullptr)
+          while (last > reach && !bool_rows[mask_offset + r * m_row + last - 1]) --last;
+        else
+          while (last > reach && float_rows[mask_offset + r * m_row + last - 1] == -std::numeric_limits<float>::infinity())
+            --last;
+        reach = std::max(reach, last);
+      }
+      const int64_t width = (reach + kKeyMultiple - 1) / kKeyMultiple * kKeyMultiple;  // <= padded
       const uint16_t* packed_keys = keys.data() + stream * packed;
       for (int64_t r = 0; r < kQueries; r += kRowTile)
-        for (int64_t t = 0; t < padded; t += 2 * kKeys)
+        for (int64_t t = 0; t < width; t += 2 * kKeys)
           score_tile(rows.data() + r * dim, dim, packed_keys + t * dim, scores.data() + r * padded + t, padded);
       for (int64_t r = 0; r < count; ++r) {
-        const bool* bool_mask = nullptr;
-        const float* float_mask = nullptr;
-        if (m.defined()) {
-          const int64_t offset = b * m.stride(0) + h * m.stride(1) + (first + r) * m.stride(2);
-          if (m.scalar_type() == at::kBool)
-            bool_mask = m.data_ptr<bool>() + offset;
-          else
-            float_mask = m.data_ptr<float>() + offset;
-        }
-        softmax_row(scores.data() + r * padded, tokens, padded, float(scale), bool_mask, float_mask,
-                    probabilities.data() + r * padded);
+        const int64_t offset = mask_offset + r * m_row;
+        softmax_row(scores.data() + r * padded, tokens, width, float(scale),
+                    bool_rows != nullptr ? bool_rows + offset : nullptr,
+                    float_rows != nullptr ? float_rows + offset : nullptr, probabilities.data() + r * padded);
       }
       at::BFloat16* target = po + (b * queries + first) * heads * dim + h * dim;
       for (int64_t r = 0; r < count; r += 4)
         for (int64_t d0 = 0; d0 < dim; d0 += kDimTile)
-          value_tile(probabilities.data() + r * padded, padded, padded, values.data() + stream * packed, dim, d0,
+          value_tile(probabilities.data() + r * padded, padded, width, values.data() + stream * packed, dim, d0,
                      target + r * heads * dim, heads * dim, int(std::min<int64_t>(4, count - r)));
     }
   });
