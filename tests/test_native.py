@@ -17,7 +17,11 @@ import textwrap
 
 import pytest
 import torch
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm, apply_rotary_pos_emb
+from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+    Qwen3VLTextRMSNorm,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_vision,
+)
 
 from conftest import NATIVE_KERNELS, VENV_BIN, run_tool
 from vlserve.kernels import checks, native, record, reference
@@ -726,6 +730,25 @@ def test_the_rotary_op_is_transformers_rotary_bit_for_bit(ops, batch, tokens, dt
 
 
 @needs_tier
+@pytest.mark.parametrize("dim", [64, 40])
+def test_the_rotary_op_is_the_vision_towers_rotary_bit_for_bit(ops, dim):
+    """bfloat16 queries and keys (views of the fused qkv product, as the tower hands them) and float32
+    tables: products and sum in float32, rounded once; 64 dimensions (the tower's) take the vectors,
+    40 the general path; values near bfloat16's largest overflow to infinity alike."""
+    torch.manual_seed(dim)
+    qkv = (torch.randn(37, 3, 4, dim) * torch.logspace(-3, 3, dim)).bfloat16()
+    qkv[0, :2, 0, : dim // 2 + 1 : dim // 2] = 3.3e38  # the first and the rotated-in value: their sum overflows
+    q, k, _ = qkv.permute(1, 0, 2, 3).unbind(0)
+    cos, sin = torch.randn(2, 37, dim)
+    cos[0], sin[0] = 1.0, 1.0
+    expected = apply_rotary_pos_emb_vision(q, k, cos, sin)  # transformers' own: the network's is held to it too
+    assert all(torch.equal(a, b) for a, b in zip(network.apply_vision_rotary(q, k, cos, sin), expected, strict=True))
+    got = decoderops.vision_rotary_op(q, k, cos, sin, op=ops.rotary)
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert expected[0][0, 0, dim // 2].isinf()
+
+
+@needs_tier
 def test_the_decoder_ops_refuse_what_they_do_not_take(ops):
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.rms_norm(torch.randn(2, 64), torch.randn(32), 1e-6)
@@ -739,7 +762,8 @@ def test_the_decoder_ops_refuse_what_they_do_not_take(ops):
 
 def test_a_quantized_worker_runs_its_norms_and_rotary_through_the_ops(loaded, tiny_model):
     """Every norm of the language model (two a layer, the query and key norms, the final one) and its
-    rotary; the vision tower keeps its own; the logits are the stock modules' within their rounding."""
+    rotary; the vision tower keeps its norms, its rotary takes the op; the logits are the stock
+    modules' within their rounding."""
     settings = ModelSettings(model=tiny_model, quantize="int4", native_kernels=NATIVE_KERNELS, warmup=False)
     model = load_model(settings, LimitSettings(max_batch_size=1), lambda message: None).model
     text = model.model.language_model
@@ -748,6 +772,7 @@ def test_a_quantized_worker_runs_its_norms_and_rotary_through_the_ops(loaded, ti
     assert not any(isinstance(module, network.RMSNorm) for module in text.modules())
     assert not any(isinstance(module, decoderops.NativeRMSNorm) for module in model.model.visual.modules())
     assert all(layer.self_attn.rotary.func is decoderops.rotary_op for layer in text.layers)
+    assert all(block.attn.rotary.func is decoderops.vision_rotary_op for block in model.model.visual.blocks)
     ids, positions = torch.arange(40)[None], network.text_positions(1, 0, 40)
     with torch.inference_mode():
         fused = model(ids, None, positions).logits[0, -1]

@@ -333,7 +333,8 @@ class Kernels:
 
     def rotary(self):
         """The rotary op, or None: q, k (batch, heads, tokens, dim) and cos, sin (batch, tokens, dim)
-        of one dtype -> transformers' apply_rotary_pos_emb of them (vlserve.model.decoderops)."""
+        of one dtype -> transformers' apply_rotary_pos_emb of them; bfloat16 q and k with float32
+        tables -> the vision tower's (network.apply_vision_rotary) (vlserve.model.decoderops)."""
         return None if self.ops is None else self.ops.rotary
 
     def one_query_attention(self):

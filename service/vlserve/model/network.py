@@ -147,7 +147,9 @@ class VisionPatchMerger(nn.Module):
         return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
 
 
-def _vision_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def apply_vision_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The vision attention's rotary embedding: (tokens, heads, dim) queries and keys, (tokens, dim)
+    tables, in float32, rounded back once."""
     dtype = q.dtype
     q, k = q.float(), k.float()
     cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
@@ -168,11 +170,12 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.scaling = self.head_dim**-0.5
         self.attend: Callable = attention.attention
+        self.rotary: Callable = apply_vision_rotary
 
     def forward(self, hidden_states, lengths: list[int], position_embeddings) -> torch.Tensor:
         tokens = hidden_states.shape[0]
         q, k, v = self.qkv(hidden_states).reshape(tokens, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        q, k = _vision_rotary(q, k, *position_embeddings)
+        q, k = self.rotary(q, k, *position_embeddings)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         # Each image attends to itself only.
         splits = [torch.split(t, lengths, dim=2) for t in (q, k, v)]
