@@ -716,13 +716,15 @@ def test_the_norm_op_is_transformers_rmsnorm_within_its_rounding(ops, shape, dty
 @needs_tier
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (4, 1), (2, 37)])
-def test_the_rotary_op_is_transformers_rotary_bit_for_bit(ops, batch, tokens, dtype):
-    """On the transposed views the attention hands it, and with one table broadcast over the batch."""
+@pytest.mark.parametrize("dim", [128, 40])
+def test_the_rotary_op_is_transformers_rotary_bit_for_bit(ops, batch, tokens, dtype, dim):
+    """On the transposed views the attention hands it, and with one table broadcast over the batch;
+    128 dimensions (the model's) take the vectors in bfloat16, 40 the general path."""
     torch.manual_seed(batch + tokens)
-    q = torch.randn(batch, tokens, 16, 128).to(dtype).transpose(1, 2)
-    k = torch.randn(batch, tokens, 8, 128).to(dtype).transpose(1, 2)
+    q = torch.randn(batch, tokens, 16, dim).to(dtype).transpose(1, 2)
+    k = torch.randn(batch, tokens, 8, dim).to(dtype).transpose(1, 2)
     for table_batch in (batch, 1):
-        cos, sin = torch.randn(2, table_batch, tokens, 128).to(dtype)
+        cos, sin = torch.randn(2, table_batch, tokens, dim).to(dtype)
         expected = stock_rotary(q, k, cos, sin)
         got = ops.rotary(q, k, cos, sin)
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

@@ -617,6 +617,9 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512 widen(const at::BFloat
 __attribute__((target("avx512f,avx512bw"))) inline void store_rounded(at::BFloat16* o, __m512 v) {
   _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16(v), 16)));
 }
+__attribute__((target("avx512f,avx512bw"))) inline __m512 rounded(__m512 v) {
+  return _mm512_castsi512_ps(round_bf16(v));
+}
 __attribute__((target("avx512f,avx512bw"))) void rotate_row_wide(const at::BFloat16* x, const float* c,
                                                                  const float* s, int64_t half, at::BFloat16* o) {
   for (int64_t j = 0; j < half; j += 16) {
@@ -629,17 +632,35 @@ __attribute__((target("avx512f,avx512bw"))) void rotate_row_wide(const at::BFloa
                                               _mm512_mul_ps(first, _mm512_loadu_ps(s + half + j))));
   }
 }
-void rotate_wide(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+// The text model's (all bfloat16): each product rounded to bfloat16, then their sum, as ATen's mul and add
+// round them; 16 lanes at a time. A 210-token prompt's query and key took 0.5 ms a layer through rotate<>.
+__attribute__((target("avx512f,avx512bw"))) void rotate_row_bf16(const at::BFloat16* x, const at::BFloat16* c,
+                                                                 const at::BFloat16* s, int64_t half,
+                                                                 at::BFloat16* o) {
+  for (int64_t j = 0; j < half; j += 16) {
+    const __m512 first = widen(x + j), second = widen(x + half + j);
+    const __m512 negated =
+        _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(second), _mm512_set1_epi32((int)0x80000000u)));
+    store_rounded(o + j, _mm512_add_ps(rounded(_mm512_mul_ps(first, widen(c + j))),
+                                       rounded(_mm512_mul_ps(negated, widen(s + j)))));
+    store_rounded(o + half + j, _mm512_add_ps(rounded(_mm512_mul_ps(second, widen(c + half + j))),
+                                              rounded(_mm512_mul_ps(first, widen(s + half + j)))));
+  }
+}
+
+// rotate_row_wide or rotate_row_bf16 over every (batch, head, token) row of x; the tables' rows by batch and token.
+template <typename Table, typename Row>
+void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, Row row) {
   const int64_t batch = x.size(0), heads = x.size(1), tokens = x.size(2), dim = x.size(3);
   const at::BFloat16* px = x.data_ptr<at::BFloat16>();
-  const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
+  const Table *pc = cos.data_ptr<Table>(), *ps = sin.data_ptr<Table>();
   at::BFloat16* po = out.data_ptr<at::BFloat16>();
   const int64_t xb = x.stride(0), xh = x.stride(1), xt = x.stride(2);
   const int64_t cb = cos.stride(0), ct = cos.stride(1), sb = sin.stride(0), st = sin.stride(1);
   at::parallel_for(0, batch * heads * tokens, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (heads * tokens), h = i / tokens % heads, t = i % tokens;
-      rotate_row_wide(px + b * xb + h * xh + t * xt, pc + b * cb + t * ct, ps + b * sb + t * st, dim / 2, po + i * dim);
+      row(px + b * xb + h * xh + t * xt, pc + b * cb + t * ct, ps + b * sb + t * st, dim / 2, po + i * dim);
     }
   });
 }
@@ -672,10 +693,13 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
     const std::vector<int64_t> table{x.size(0), x.size(2), x.size(3)};
     const at::Tensor c = cos.expand(table), s = sin.expand(table);
     at::Tensor o = at::empty(x.sizes(), x.options());
-    if (wide && vectors && x.stride(3) == 1 && c.stride(2) == 1 && s.stride(2) == 1 && x.size(3) % 32 == 0)
-      rotate_wide(x, c, s, o);
+    const bool lanes = vectors && x.stride(3) == 1 && c.stride(2) == 1 && s.stride(2) == 1 && x.size(3) % 32 == 0;
+    if (wide && lanes)
+      rotate_rows<float>(x, c, s, o, rotate_row_wide);
     else if (wide)
       rotate_wide_scalar(x, c, s, o);
+    else if (x.scalar_type() == at::kBFloat16 && lanes)
+      rotate_rows<at::BFloat16>(x, c, s, o, rotate_row_bf16);
     else if (x.scalar_type() == at::kBFloat16)
       rotate<at::BFloat16>(x, c, s, o);
     else if (x.scalar_type() == at::kFloat)
