@@ -936,6 +936,8 @@ def test_the_prompt_attention_op_is_its_reference_within_its_rounding(ops, shape
     expected = reference.prompt_attention(query, key, value, mask, scaling=dim**-0.5)
     got = ops.prompt_attention(query, key, value, mask, dim**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == (batch, queries, query_heads, dim)
+    odd_rows = torch.empty(batch, key_heads, tokens, dim + 1).bfloat16()[..., :dim].copy_(key)  # rows dim + 1 apart
+    assert torch.equal(ops.prompt_attention(query, odd_rows, value, mask, dim**-0.5), got)
     assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
     assert (got == expected).float().mean() > 0.98
     if mask_kind == "padded":  # queries with nothing to attend to: zeros, not NaN

@@ -198,11 +198,15 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& key, const at
   const int64_t padded = (tokens + kKeyMultiple - 1) / kKeyMultiple * kKeyMultiple;
   const int64_t group = heads / kv_heads, streams = batch * kv_heads, packed = padded * dim;
   std::vector<uint16_t> keys(streams * packed), values(streams * packed);
-  const at::BFloat16 *pk = key.data_ptr<at::BFloat16>(), *pv = value.data_ptr<at::BFloat16>();
+  // pack_keys gathers each key's dimensions in pairs, rows stride / 2 pairs apart: an odd row stride
+  // (no caller's, but a view can have one) is copied first.
+  const at::Tensor key_rows = key.stride(2) % 2 == 0 ? key : key.contiguous();
+  const at::BFloat16 *pk = key_rows.data_ptr<at::BFloat16>(), *pv = value.data_ptr<at::BFloat16>();
   at::parallel_for(0, streams, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / kv_heads, h = i % kv_heads;
-      pack_keys(pk + b * key.stride(0) + h * key.stride(1), key.stride(2), tokens, dim, padded, keys.data() + i * packed);
+      pack_keys(pk + b * key_rows.stride(0) + h * key_rows.stride(1), key_rows.stride(2), tokens, dim, padded,
+                keys.data() + i * packed);
       pack_values(pv + b * value.stride(0) + h * value.stride(1), value.stride(2), tokens, dim, padded,
                   values.data() + i * packed);
     }
